@@ -1,0 +1,305 @@
+//! The paged KV cache (spec §E): storage `[num_blocks, kv_dim, num_layers, page_size,
+//! num_kv_heads, head_size]`, owned or borrowed, and the page table MAX passes with it.
+
+mod plan;
+
+pub(crate) use plan::SlotPlan;
+
+use crate::element::Element;
+use crate::error::{Error, Result, checked_len};
+
+/// Which half of an MHA/GQA cache: K (`kv = 0`) or V (`kv = 1`). MLA caches have only K.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KvSel {
+    /// The key cache (`kv = 0`).
+    K = 0,
+    /// The value cache (`kv = 1`).
+    V = 1,
+}
+
+/// The dimensions of a paged cache, row-major
+/// `[num_blocks, kv_dim, num_layers, page_size, num_kv_heads, head_size]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CacheShape {
+    num_blocks: usize,
+    kv_dim: usize,
+    num_layers: usize,
+    page_size: usize,
+    num_kv_heads: usize,
+    head_size: usize,
+}
+
+impl CacheShape {
+    /// Checks and builds a shape. `kv_dim` is 2 (K and V) or 1 (MLA, K only); every other
+    /// dimension must be at least 1 and the total size must fit in `usize`.
+    pub fn new(
+        num_blocks: usize,
+        kv_dim: usize,
+        num_layers: usize,
+        page_size: usize,
+        num_kv_heads: usize,
+        head_size: usize,
+    ) -> Result<Self> {
+        if kv_dim != 1 && kv_dim != 2 {
+            return Err(Error::dim("kv_blocks", format!("kv_dim (dim 1) must be 1 (MLA) or 2, found {kv_dim}")));
+        }
+        for (name, d) in [
+            ("num_blocks", num_blocks),
+            ("num_layers", num_layers),
+            ("page_size", page_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_size", head_size),
+        ] {
+            if d == 0 {
+                return Err(Error::dim("kv_blocks", format!("{name} must be at least 1")));
+            }
+        }
+        let s = CacheShape { num_blocks, kv_dim, num_layers, page_size, num_kv_heads, head_size };
+        checked_len("kv_blocks", &s.dims())?;
+        Ok(s)
+    }
+
+    /// An MHA/GQA cache (`kv_dim = 2`).
+    pub fn mha(
+        num_blocks: usize,
+        num_layers: usize,
+        page_size: usize,
+        num_kv_heads: usize,
+        head_size: usize,
+    ) -> Result<Self> {
+        CacheShape::new(num_blocks, 2, num_layers, page_size, num_kv_heads, head_size)
+    }
+
+    /// An MLA cache (`kv_dim = 1`, K only).
+    pub fn mla(
+        num_blocks: usize,
+        num_layers: usize,
+        page_size: usize,
+        num_kv_heads: usize,
+        head_size: usize,
+    ) -> Result<Self> {
+        CacheShape::new(num_blocks, 1, num_layers, page_size, num_kv_heads, head_size)
+    }
+
+    /// From a rank-6 shape as stored in `kv_blocks`.
+    pub fn from_dims(dims: &[usize]) -> Result<Self> {
+        match *dims {
+            [a, b, c, d, e, f] => CacheShape::new(a, b, c, d, e, f),
+            _ => Err(Error::shape("kv_blocks", "rank 6", format!("rank {}", dims.len()))),
+        }
+    }
+
+    /// The six dimensions.
+    pub fn dims(&self) -> [usize; 6] {
+        [self.num_blocks, self.kv_dim, self.num_layers, self.page_size, self.num_kv_heads, self.head_size]
+    }
+    /// Physical blocks (pages).
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+    /// 2 for K and V, 1 for MLA.
+    pub fn kv_dim(&self) -> usize {
+        self.kv_dim
+    }
+    /// Whether this is an MLA (K-only) cache.
+    pub fn is_mla(&self) -> bool {
+        self.kv_dim == 1
+    }
+    /// Layers.
+    pub fn num_layers(&self) -> usize {
+        self.num_layers
+    }
+    /// Tokens per page.
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+    /// KV heads.
+    pub fn num_kv_heads(&self) -> usize {
+        self.num_kv_heads
+    }
+    /// Head size.
+    pub fn head_size(&self) -> usize {
+        self.head_size
+    }
+    /// `num_kv_heads · head_size`: columns of K (and of V) in the fused weight.
+    pub fn kv_width(&self) -> usize {
+        self.num_kv_heads * self.head_size
+    }
+    /// Total elements.
+    pub fn len(&self) -> usize {
+        self.dims().iter().product()
+    }
+    /// Whether the cache has no elements (never, for a checked shape).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Flat index of `[block, kv, layer, slot, head, dim]` (spec §E).
+    #[inline]
+    pub fn index(&self, block: usize, kv: usize, layer: usize, slot: usize, head: usize, dim: usize) -> usize {
+        debug_assert!(block < self.num_blocks && kv < self.kv_dim && layer < self.num_layers);
+        debug_assert!(slot < self.page_size && head < self.num_kv_heads && dim < self.head_size);
+        ((((block * self.kv_dim + kv) * self.num_layers + layer) * self.page_size + slot) * self.num_kv_heads + head)
+            * self.head_size
+            + dim
+    }
+    /// The coordinates `[block, kv, layer, slot, head, dim]` of a flat index.
+    pub fn coords(&self, mut index: usize) -> [usize; 6] {
+        let dims = self.dims();
+        let mut c = [0; 6];
+        for i in (0..6).rev() {
+            c[i] = index % dims[i];
+            index /= dims[i];
+        }
+        c
+    }
+}
+
+/// An owned paged KV cache.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PagedKvCache<T> {
+    shape: CacheShape,
+    data: Vec<T>,
+}
+
+impl<T: Element> PagedKvCache<T> {
+    /// A zero-filled cache.
+    pub fn zeros(shape: CacheShape) -> Self {
+        PagedKvCache { shape, data: vec![T::default(); shape.len()] }
+    }
+    /// Wraps existing storage; its length must be `shape.len()`.
+    pub fn from_vec(shape: CacheShape, data: Vec<T>) -> Result<Self> {
+        expect_cache_len(&shape, data.len())?;
+        Ok(PagedKvCache { shape, data })
+    }
+    /// The shape.
+    pub fn shape(&self) -> CacheShape {
+        self.shape
+    }
+    /// The storage.
+    pub fn data(&self) -> &[T] {
+        &self.data
+    }
+    /// The storage, mutably.
+    pub fn data_mut(&mut self) -> &mut [T] {
+        &mut self.data
+    }
+    /// Gives the storage back.
+    pub fn into_vec(self) -> Vec<T> {
+        self.data
+    }
+    /// A mutable view, as the operations take it.
+    pub fn view_mut(&mut self) -> PagedKvCacheMut<'_, T> {
+        PagedKvCacheMut { shape: self.shape, data: &mut self.data }
+    }
+    /// Element `[block, kv, layer, slot, head, dim]` (panics when out of range, like slice indexing).
+    pub fn get(&self, block: usize, kv: usize, layer: usize, slot: usize, head: usize, dim: usize) -> T {
+        self.data[self.shape.index(block, kv, layer, slot, head, dim)]
+    }
+}
+
+/// A mutable view of a paged cache over caller-owned memory (a server owns its cache memory).
+#[derive(Debug)]
+pub struct PagedKvCacheMut<'a, T> {
+    shape: CacheShape,
+    data: &'a mut [T],
+}
+
+impl<'a, T: Element> PagedKvCacheMut<'a, T> {
+    /// Wraps caller-owned storage; its length must be `shape.len()`.
+    pub fn new(shape: CacheShape, data: &'a mut [T]) -> Result<Self> {
+        expect_cache_len(&shape, data.len())?;
+        Ok(PagedKvCacheMut { shape, data })
+    }
+    /// The shape.
+    pub fn shape(&self) -> CacheShape {
+        self.shape
+    }
+    /// The storage.
+    pub fn data(&self) -> &[T] {
+        self.data
+    }
+    /// The storage, mutably.
+    pub fn data_mut(&mut self) -> &mut [T] {
+        self.data
+    }
+    /// A shorter-lived view of the same cache.
+    pub fn reborrow(&mut self) -> PagedKvCacheMut<'_, T> {
+        PagedKvCacheMut { shape: self.shape, data: self.data }
+    }
+}
+
+fn expect_cache_len(shape: &CacheShape, len: usize) -> Result<()> {
+    if len == shape.len() {
+        Ok(())
+    } else {
+        Err(Error::shape("kv_blocks", format!("{} elements ({:?})", shape.len(), shape.dims()), format!("{len} elements")))
+    }
+}
+
+/// MAX's page table: `kv_lookup_table` `[batch, cols]` (entry `[b, j]` is the physical block of
+/// logical page `j` of sequence `b`) and `cache_lengths` `[batch]` (tokens already cached).
+#[derive(Debug, Clone, Copy)]
+pub struct PageTable<'a> {
+    lookup: &'a [u32],
+    cols: usize,
+    cache_lengths: &'a [u32],
+}
+
+impl<'a> PageTable<'a> {
+    /// Checks `lookup.len() == cache_lengths.len() · cols`. Entries are checked against a cache
+    /// by each operation, for the pages it writes.
+    pub fn new(lookup: &'a [u32], cols: usize, cache_lengths: &'a [u32]) -> Result<Self> {
+        let want = checked_len("kv_lookup_table", &[cache_lengths.len(), cols])?;
+        if lookup.len() != want {
+            return Err(Error::shape(
+                "kv_lookup_table",
+                format!("{want} entries ([batch, cols] = [{}, {cols}])", cache_lengths.len()),
+                format!("{} entries", lookup.len()),
+            ));
+        }
+        Ok(PageTable { lookup, cols, cache_lengths })
+    }
+    /// Sequences in the batch.
+    pub fn batch_size(&self) -> usize {
+        self.cache_lengths.len()
+    }
+    /// Columns of the lookup table (logical pages per sequence).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    /// `cache_lengths[b]`.
+    pub fn cache_length(&self, b: usize) -> u32 {
+        self.cache_lengths[b]
+    }
+    /// `cache_lengths`.
+    pub fn cache_lengths(&self) -> &'a [u32] {
+        self.cache_lengths
+    }
+    /// `kv_lookup_table`, flat.
+    pub fn lookup(&self) -> &'a [u32] {
+        self.lookup
+    }
+    /// `kv_lookup_table[b, page]`.
+    pub fn block(&self, b: usize, page: usize) -> u32 {
+        self.lookup[b * self.cols + page]
+    }
+}
+
+/// A cache to write, the page table that addresses it and the layer: the cache side of every
+/// operation.
+#[derive(Debug)]
+pub struct KvWrite<'a, T> {
+    /// The cache.
+    pub cache: PagedKvCacheMut<'a, T>,
+    /// Its page table for this batch.
+    pub page_table: PageTable<'a>,
+    /// The layer written (`layer_idx`).
+    pub layer_idx: usize,
+}
+
+impl<'a, T: Element> KvWrite<'a, T> {
+    /// Bundles the three.
+    pub fn new(cache: PagedKvCacheMut<'a, T>, page_table: PageTable<'a>, layer_idx: usize) -> Self {
+        KvWrite { cache, page_table, layer_idx }
+    }
+}

@@ -1,0 +1,101 @@
+//! Validation of a call's cache writes, done once before anything is written: layer in range,
+//! positions fit `u32`, the lookup table holds every page the new tokens need and those entries
+//! are blocks of the cache, and no two tokens write one physical slot.
+
+use super::{CacheShape, PageTable};
+use crate::error::{Error, Result, TokenRef};
+
+/// Where one row's K/V go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RowSlot {
+    /// Sequence index.
+    pub batch: usize,
+    /// Cache position `cache_lengths[batch] + t`.
+    pub pos: u32,
+    /// Physical block.
+    pub block: usize,
+    /// Slot in the block (`pos % page_size`).
+    pub offset: usize,
+}
+
+/// The validated slot of every row of a call (`None`: the row writes no K/V).
+#[derive(Debug, Clone)]
+pub(crate) struct SlotPlan {
+    pub rows: Vec<Option<RowSlot>>,
+}
+
+impl SlotPlan {
+    /// `rows[i] = (batch, t, writes)` for every row of the call in order; `t` is the token's index
+    /// in its sequence. The caller has checked `batch < table.batch_size()`.
+    pub fn build(
+        table: &PageTable<'_>,
+        shape: &CacheShape,
+        layer: usize,
+        rows: &[(usize, usize, bool)],
+    ) -> Result<Self> {
+        if layer >= shape.num_layers() {
+            return Err(Error::LayerOutOfRange { layer, num_layers: shape.num_layers() });
+        }
+        let batch = table.batch_size();
+        // New tokens per sequence: one past the largest written t.
+        let mut new_tokens = vec![0usize; batch];
+        for &(b, t, w) in rows {
+            if w {
+                new_tokens[b] = new_tokens[b].max(t + 1);
+            }
+        }
+        let p = shape.page_size() as u64;
+        for (b, &n) in new_tokens.iter().enumerate() {
+            if n == 0 {
+                continue;
+            }
+            let start = table.cache_length(b) as u64;
+            let end = start + n as u64; // one past the last position written
+            if end - 1 > u32::MAX as u64 {
+                return Err(Error::PositionOverflow { batch: b, cache_length: table.cache_length(b), new_tokens: n });
+            }
+            let pages_needed = end.div_ceil(p);
+            if pages_needed > table.cols() as u64 {
+                return Err(Error::PageTableCapacity { batch: b, pages_needed, cols: table.cols() });
+            }
+            for page in (start / p)..pages_needed {
+                let block = table.block(b, page as usize);
+                if block as usize >= shape.num_blocks() {
+                    return Err(Error::BlockOutOfRange {
+                        batch: b,
+                        logical_page: page as usize,
+                        block,
+                        num_blocks: shape.num_blocks(),
+                    });
+                }
+            }
+        }
+        let plan: Vec<Option<RowSlot>> = rows
+            .iter()
+            .map(|&(b, t, w)| {
+                w.then(|| {
+                    let pos = table.cache_length(b) as u64 + t as u64;
+                    let block = table.block(b, (pos / p) as usize) as usize;
+                    RowSlot { batch: b, pos: pos as u32, block, offset: (pos % p) as usize }
+                })
+            })
+            .collect();
+        // Two writes to one physical slot would race on a GPU and silently overwrite here.
+        let mut keys: Vec<(usize, RowSlot)> = plan
+            .iter()
+            .filter_map(|s| s.map(|s| (s.block * shape.page_size() + s.offset, s)))
+            .collect();
+        // Stable: among equal slots the earlier row comes first.
+        keys.sort_by_key(|k| k.0);
+        if let Some(w) = keys.windows(2).find(|w| w[0].0 == w[1].0) {
+            let (a, c) = (w[0].1, w[1].1);
+            return Err(Error::SlotConflict {
+                block: a.block as u32,
+                slot: a.offset,
+                first: TokenRef { batch: a.batch, position: a.pos as u64 },
+                second: TokenRef { batch: c.batch, position: c.pos as u64 },
+            });
+        }
+        Ok(SlotPlan { rows: plan })
+    }
+}

@@ -1,0 +1,248 @@
+//! Argument types of the operations and the validation every implementation shares.
+//!
+//! Each operation exists as a scalar oracle in [`crate::reference`]; every entry point validates
+//! all of its arguments (shapes, offsets, page table, capacity, slot conflicts) before it writes
+//! anything, so an error leaves the output and the cache unchanged.
+
+use crate::cache::{CacheShape, KvSel, PageTable};
+use crate::element::Element;
+use crate::error::{Error, Result, checked_len};
+use crate::formats::QuantizedRef;
+
+/// How the reference accumulates a dot product.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Accumulation {
+    /// k = 0..K−1 in order in f32, then × `tensor_sf`, then one rounding: MAX's naive reference
+    /// (`naive_block_scaled_matmul_kernel`) bit for bit.
+    Sequential,
+    /// Exact accumulation of the exact products (and of `tensor_sf` and bias), one rounding at the
+    /// end: the true value, correctly rounded. The judge of every fast path.
+    #[default]
+    Exact,
+}
+
+/// How RoPE rounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum RopeMath {
+    /// f32 math: `y0 = fma(x0, c, −(x1·s))`, `y1 = fma(x0, s, x1·c)` in f32, then one rounding to
+    /// the destination type.
+    #[default]
+    F32,
+    /// MAX's sequence (spec §H) in the freqs dtype T: `t1 = rT(x1·s)`, `y0 = rT(fma(x0, c, −t1))`,
+    /// `t2 = rT(x1·c)`, `y1 = rT(fma(x0, s, t2))`, with the FMA evaluated in f32 and rounded to T
+    /// (MAX's CPU promotion; a native bf16 FMA can differ in rare double-rounding cases).
+    MaxCompat,
+}
+
+/// Arguments of [`qkv_fp4_ragged`](crate::reference::qkv_fp4_ragged)
+/// (MAX: `fused_qkv_matmul_kv_cache_paged_ragged_scale_float4`).
+#[derive(Debug, Clone, Copy)]
+pub struct QkvFp4Args<'a> {
+    /// The ragged activations `[M, K]` (`M = input_row_offsets[batch]`) with `input_scale`.
+    pub hidden_state: QuantizedRef<'a>,
+    /// `[batch + 1]`, starting at 0, non-decreasing, ending at M.
+    pub input_row_offsets: &'a [u32],
+    /// The fused weight `[N, K]` (Q | K | V rows) with `weight_scale`.
+    pub weight: QuantizedRef<'a>,
+    /// Multiplies the f32 accumulator (cuBLAS `alpha`): `tensor_sf = a.tensor_scale · w.tensor_scale`.
+    pub tensor_sf: f32,
+    /// Columns routed to `output` (`output.dim(1)` in MAX).
+    pub q_dim: usize,
+}
+
+/// Arguments of [`qkv_ragged`](crate::reference::qkv_ragged)
+/// (MAX: `fused_qkv_matmul_kv_cache_paged_ragged`, with its `_bias` variant).
+#[derive(Debug, Clone, Copy)]
+pub struct QkvRaggedArgs<'a, T> {
+    /// `[M, hidden_size]`.
+    pub hidden_state: &'a [T],
+    /// `[batch + 1]`, starting at 0, non-decreasing, ending at M.
+    pub input_row_offsets: &'a [u32],
+    /// `[N, hidden_size]`, N = `weight.len() / hidden_size`.
+    pub weight: &'a [T],
+    /// K.
+    pub hidden_size: usize,
+    /// Optional `[N]` bias added to the accumulator before the one rounding.
+    pub bias: Option<&'a [T]>,
+    /// Columns routed to `output`.
+    pub q_dim: usize,
+}
+
+/// Arguments of [`qkv_bshd`](crate::reference::qkv_bshd)
+/// (MAX: `fused_qkv_matmul_kv_cache_bshd_paged`).
+#[derive(Debug, Clone, Copy)]
+pub struct QkvBshdArgs<'a, T> {
+    /// `[batch, seq_len, hidden_size]`, padded.
+    pub hidden_state: &'a [T],
+    /// Sequences.
+    pub batch: usize,
+    /// Padded sequence length.
+    pub seq_len: usize,
+    /// K.
+    pub hidden_size: usize,
+    /// `[N, hidden_size]`.
+    pub weight: &'a [T],
+    /// `[batch]`: K/V are written for `t < valid_lengths[b]` only; Q for every `t`.
+    pub valid_lengths: &'a [u32],
+    /// Columns routed to `output` (`[batch, seq_len, q_dim]`).
+    pub q_dim: usize,
+}
+
+/// Arguments of [`rope_bshd`](crate::reference::rope_bshd)
+/// (MAX: `fused_qk_rope_bshd_paged`). The head size is the cache's.
+#[derive(Debug, Clone, Copy)]
+pub struct RopeBshdArgs<'a, T> {
+    /// `[batch, seq_len, num_q_heads, head_size]`.
+    pub q_proj: &'a [T],
+    /// Sequences.
+    pub batch: usize,
+    /// Padded sequence length.
+    pub seq_len: usize,
+    /// Q heads.
+    pub num_q_heads: usize,
+    /// `[rows, head_size]`: row `p` is `cos(p θ_0), sin(p θ_0), cos(p θ_1), …`.
+    pub freqs_cis: &'a [T],
+    /// `[batch]`: positions `s ≥ valid_lengths[b]` are skipped for Q and K.
+    pub valid_lengths: &'a [u32],
+    /// Pairs `(2i, 2i+1)` when true, `(i, i + D/2)` when false.
+    pub interleaved: bool,
+}
+
+/// Arguments of [`rope_ragged`](crate::reference::rope_ragged)
+/// (MAX: `fused_qk_rope_ragged`, with partial rotary).
+#[derive(Debug, Clone, Copy)]
+pub struct RopeRaggedArgs<'a, T, F> {
+    /// `[M, num_q_heads, q_head_size]`.
+    pub q_proj: &'a [T],
+    /// `[batch + 1]`.
+    pub input_row_offsets: &'a [u32],
+    /// Q heads.
+    pub num_q_heads: usize,
+    /// Q head size (the K head size is the cache's; they may differ, as in MLA).
+    pub q_head_size: usize,
+    /// `[rows, rope_dim]`, interleaved (cos, sin) pairs; its dtype F may differ from T.
+    pub freqs_cis: &'a [F],
+    /// Rotary dimensions (even, ≤ both head sizes). Interleaved: the **last** `rope_dim` dims of
+    /// each head rotate; non-interleaved: the **first** `rope_dim`, halves split at `rope_dim/2`.
+    pub rope_dim: usize,
+    /// Optional `[M]` positions selecting the freqs row (default `cache_length + t`). K is always
+    /// stored at `cache_length + t`.
+    pub position_ids: Option<&'a [u32]>,
+    /// Pairing, as in [`RopeBshdArgs::interleaved`].
+    pub interleaved: bool,
+}
+
+/// Arguments of [`kv_store_ragged`](crate::reference::kv_store_ragged)
+/// (MAX: `kv_cache_store_ragged`).
+#[derive(Debug, Clone, Copy)]
+pub struct KvStoreRaggedArgs<'a, T> {
+    /// `[M, num_kv_heads, head_size]`.
+    pub values: &'a [T],
+    /// `[batch + 1]`.
+    pub input_row_offsets: &'a [u32],
+    /// K or V.
+    pub which: KvSel,
+}
+
+/// Arguments of [`kv_store_bshd`](crate::reference::kv_store_bshd)
+/// (MAX: `kv_cache_store_padded`).
+#[derive(Debug, Clone, Copy)]
+pub struct KvStoreBshdArgs<'a, T> {
+    /// `[batch, seq_len, num_kv_heads, head_size]`.
+    pub values: &'a [T],
+    /// Sequences.
+    pub batch: usize,
+    /// Padded sequence length.
+    pub seq_len: usize,
+    /// `[batch]`: rows `t ≥ valid_lengths[b]` are skipped.
+    pub valid_lengths: &'a [u32],
+    /// K or V.
+    pub which: KvSel,
+}
+
+/// `(batch, t)` of every row of a ragged batch, after checking `input_row_offsets`: at least one
+/// entry, starting at 0, non-decreasing, ending at `m`.
+pub(crate) fn ragged_rows(offsets: &[u32], m: usize) -> Result<Vec<(usize, usize)>> {
+    let Some(&first) = offsets.first() else {
+        return Err(Error::shape("input_row_offsets", "[batch + 1] with at least 1 entry", "0 entries"));
+    };
+    if first != 0 {
+        return Err(Error::RowOffsets { index: 0, reason: format!("must be 0, found {first}") });
+    }
+    for (i, w) in offsets.windows(2).enumerate() {
+        if w[1] < w[0] {
+            return Err(Error::RowOffsets {
+                index: i + 1,
+                reason: format!("decreases: {} after {}", w[1], w[0]),
+            });
+        }
+    }
+    let last = *offsets.last().unwrap_or(&0) as usize;
+    if last != m {
+        return Err(Error::RowOffsets {
+            index: offsets.len() - 1,
+            reason: format!("must equal the row count {m}, found {last}"),
+        });
+    }
+    let mut rows = Vec::with_capacity(m);
+    for (b, w) in offsets.windows(2).enumerate() {
+        rows.extend((0..(w[1] - w[0]) as usize).map(|t| (b, t)));
+    }
+    Ok(rows)
+}
+
+/// Checks `valid_lengths` (`[batch]`, each ≤ `seq_len`).
+pub(crate) fn check_valid_lengths(valid_lengths: &[u32], batch: usize, seq_len: usize) -> Result<()> {
+    if valid_lengths.len() != batch {
+        return Err(Error::shape("valid_lengths", format!("[{batch}]"), format!("[{}]", valid_lengths.len())));
+    }
+    for (b, &v) in valid_lengths.iter().enumerate() {
+        if v as usize > seq_len {
+            return Err(Error::ValidLength { batch: b, valid_length: v, seq_len });
+        }
+    }
+    Ok(())
+}
+
+/// Checks that the page table describes `batch` sequences.
+pub(crate) fn check_table_batch(table: &PageTable<'_>, batch: usize) -> Result<()> {
+    if table.batch_size() == batch {
+        Ok(())
+    } else {
+        Err(Error::shape("cache_lengths", format!("[{batch}] (one per sequence)"), format!("[{}]", table.batch_size())))
+    }
+}
+
+/// Checks the Q | K | V split of N weight rows for this cache (spec §G).
+pub(crate) fn check_split(n: usize, q_dim: usize, shape: &CacheShape) -> Result<()> {
+    let kv_width = shape.kv_width();
+    let ok = if shape.is_mla() {
+        n > q_dim && n - q_dim <= shape.head_size()
+    } else {
+        q_dim.checked_add(2 * kv_width) == Some(n)
+    };
+    if ok {
+        Ok(())
+    } else {
+        let kv_width = if shape.is_mla() { shape.head_size() } else { kv_width };
+        Err(Error::ColumnSplit { n, q_dim, kv_width, mla: shape.is_mla() })
+    }
+}
+
+/// Checks `len == product(dims)` for an activation or output tensor.
+pub(crate) fn check_tensor(arg: &'static str, len: usize, dims: &[usize]) -> Result<()> {
+    let want = checked_len(arg, dims)?;
+    if len == want {
+        Ok(())
+    } else {
+        Err(Error::shape(arg, format!("{want} elements ({dims:?})"), format!("{len} elements")))
+    }
+}
+
+/// Checks an element-wise RoPE freqs table and returns its row count.
+pub(crate) fn freqs_rows<F: Element>(freqs: &[F], width: usize) -> Result<usize> {
+    if width == 0 || freqs.len() % width != 0 {
+        return Err(Error::shape("freqs_cis", format!("[rows, {width}]"), format!("{} elements", freqs.len())));
+    }
+    Ok(freqs.len() / width)
+}
