@@ -168,31 +168,27 @@ impl fmt::Display for Error {
             Error::LayerOutOfRange { layer, num_layers } => {
                 write!(f, "`layer_idx`: expected < {num_layers}, found {layer}")
             }
-            Error::ValidLength { batch, valid_length, seq_len } => write!(
-                f,
-                "`valid_lengths[{batch}]`: expected <= seq_len {seq_len}, found {valid_length}"
-            ),
-            Error::PositionOverflow { batch, cache_length, new_tokens } => write!(
-                f,
-                "`cache_lengths[{batch}]`: {cache_length} + {new_tokens} new tokens overflows u32 positions"
-            ),
+            Error::ValidLength { batch, valid_length, seq_len } => {
+                write!(f, "`valid_lengths[{batch}]`: expected <= seq_len {seq_len}, found {valid_length}")
+            }
+            Error::PositionOverflow { batch, cache_length, new_tokens } => {
+                write!(f, "`cache_lengths[{batch}]`: {cache_length} + {new_tokens} new tokens overflows u32 positions")
+            }
             Error::PageTableCapacity { batch, pages_needed, cols } => write!(
                 f,
                 "`kv_lookup_table`: sequence {batch} needs {pages_needed} pages, the table has {cols} columns"
             ),
-            Error::BlockOutOfRange { batch, logical_page, block, num_blocks } => write!(
-                f,
-                "`kv_lookup_table[{batch}, {logical_page}]`: expected a block < {num_blocks}, found {block}"
-            ),
+            Error::BlockOutOfRange { batch, logical_page, block, num_blocks } => {
+                write!(f, "`kv_lookup_table[{batch}, {logical_page}]`: expected a block < {num_blocks}, found {block}")
+            }
             Error::SlotConflict { block, slot, first, second } => write!(
                 f,
                 "`kv_lookup_table`: block {block} slot {slot} is written twice: by (batch {}, position {}) and (batch {}, position {})",
                 first.batch, first.position, second.batch, second.position
             ),
-            Error::FreqsRows { position, rows } => write!(
-                f,
-                "`freqs_cis`: position {position} needs row {position}, the table has {rows} rows"
-            ),
+            Error::FreqsRows { position, rows } => {
+                write!(f, "`freqs_cis`: position {position} needs row {position}, the table has {rows} rows")
+            }
             Error::FormatMismatch { what } => write!(f, "format mismatch: {what}"),
             Error::NonFinite { arg, index } => {
                 write!(f, "`{arg}`: element {index} is not finite")
@@ -206,7 +202,7 @@ impl std::error::Error for Error {}
 
 /// Product of dimensions, or an error naming `arg` when it overflows `usize`.
 pub(crate) fn checked_len(arg: &'static str, dims: &[usize]) -> Result<usize> {
-    dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).ok_or_else(|| {
-        Error::dim(arg, format!("the size {dims:?} overflows usize"))
-    })
+    dims.iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| Error::dim(arg, format!("the size {dims:?} overflows usize")))
 }

@@ -9,7 +9,7 @@
 //!
 //! * [`formats`]: E2M1, E4M3, E8M0, the 5-D scale layout, quantizers.
 //! * [`cache`]: the paged cache (owned or a view of caller memory) and its page table.
-//! * [`reference`]: the scalar oracle of every operation.
+//! * [`reference`](mod@reference): the scalar oracle of every operation.
 //! * [`ops`]: argument types and accumulation / rounding modes.
 #![deny(unsafe_code)]
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -28,6 +28,11 @@ pub use error::{Error, Result, TokenRef};
 pub use formats::fp8::E4M3;
 pub use formats::{BlockFormat, QuantizedMatrix, QuantizedRef};
 pub use half::{bf16, f16};
+
+/// The README's example, compiled and run as a doctest so that it stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
 pub use ops::{
     Accumulation, KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, RopeBshdArgs, RopeMath,
     RopeRaggedArgs,

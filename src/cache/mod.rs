@@ -232,7 +232,11 @@ fn expect_cache_len(shape: &CacheShape, len: usize) -> Result<()> {
     if len == shape.len() {
         Ok(())
     } else {
-        Err(Error::shape("kv_blocks", format!("{} elements ({:?})", shape.len(), shape.dims()), format!("{len} elements")))
+        Err(Error::shape(
+            "kv_blocks",
+            format!("{} elements ({:?})", shape.len(), shape.dims()),
+            format!("{len} elements"),
+        ))
     }
 }
 

@@ -81,10 +81,8 @@ impl SlotPlan {
             })
             .collect();
         // Two writes to one physical slot would race on a GPU and silently overwrite here.
-        let mut keys: Vec<(usize, RowSlot)> = plan
-            .iter()
-            .filter_map(|s| s.map(|s| (s.block * shape.page_size() + s.offset, s)))
-            .collect();
+        let mut keys: Vec<(usize, RowSlot)> =
+            plan.iter().filter_map(|s| s.map(|s| (s.block * shape.page_size() + s.offset, s))).collect();
         // Stable: among equal slots the earlier row comes first.
         keys.sort_by_key(|k| k.0);
         if let Some(w) = keys.windows(2).find(|w| w[0].0 == w[1].0) {

@@ -4,9 +4,8 @@
 //! element `2j + 1` the high nibble (spec §A).
 
 /// Value of each E2M1 code. Codes 8..=15 are the negatives of 0..=7 (code 8 is −0.0).
-pub const E2M1_VALUES: [f32; 16] = [
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-];
+pub const E2M1_VALUES: [f32; 16] =
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
 
 /// Each E2M1 code times two: small integers, so FP4 dot products are exact integer math.
 pub const E2M1_DOUBLED: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
@@ -50,16 +49,13 @@ pub fn e2m1_from_f32(x: f32) -> u8 {
 #[inline]
 pub fn fp4_code(packed_row: &[u8], k: usize) -> u8 {
     let byte = packed_row[k / 2];
-    if k % 2 == 0 { byte & 0xF } else { byte >> 4 }
+    if k.is_multiple_of(2) { byte & 0xF } else { byte >> 4 }
 }
 
 /// Packs codes two per byte, element `2j` in the low nibble of byte `j`. An odd count leaves the
 /// last high nibble zero.
 pub fn pack_e2m1(codes: &[u8]) -> Vec<u8> {
-    codes
-        .chunks(2)
-        .map(|p| (p[0] & 0xF) | (p.get(1).copied().unwrap_or(0) & 0xF) << 4)
-        .collect()
+    codes.chunks(2).map(|p| (p[0] & 0xF) | (p.get(1).copied().unwrap_or(0) & 0xF) << 4).collect()
 }
 
 /// Unpacks `n` codes from a packed row.

@@ -78,7 +78,13 @@ pub fn e4m3_from_f32(x: f32) -> u8 {
         return sign | m;
     }
     let e = a.log2().floor() as i32; // a ≥ 2^-6, exact powers of two give exact log2
-    let e = if 2f64.powi(e) > a { e - 1 } else if 2f64.powi(e + 1) <= a { e + 1 } else { e };
+    let e = if 2f64.powi(e) > a {
+        e - 1
+    } else if 2f64.powi(e + 1) <= a {
+        e + 1
+    } else {
+        e
+    };
     let frac = a / 2f64.powi(e); // in [1, 2), exact
     let mut m = ((frac - 1.0) * 8.0).round_ties_even() as i32;
     let mut e = e;

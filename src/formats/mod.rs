@@ -87,14 +87,8 @@ impl<'a> QuantizedRef<'a> {
     /// Checks and wraps `data` (row-major `[rows, k/2]` packed FP4, or `[rows, k]` E4M3) and
     /// `scales` (5-D `[ceil(rows/128), ceil(ceil(k/V)/4), 32, 4, 4]`). `arg` names the tensor in
     /// errors (`hidden_state` or `weight`; its scales are `input_scale` or `weight_scale`).
-    pub fn new(
-        format: BlockFormat,
-        rows: usize,
-        k: usize,
-        data: &'a [u8],
-        scales: &'a [u8],
-    ) -> Result<Self> {
-        if format.is_fp4() && k % 2 != 0 {
+    pub fn new(format: BlockFormat, rows: usize, k: usize, data: &'a [u8], scales: &'a [u8]) -> Result<Self> {
+        if format.is_fp4() && !k.is_multiple_of(2) {
             return Err(Error::dim("k", format!("packed FP4 needs an even logical K, found {k}")));
         }
         let want = checked_len("data", &[rows, format.row_bytes(k)])?;

@@ -48,7 +48,7 @@ pub fn quantize<T: Element>(
     global_scale: f32,
 ) -> Result<QuantizedMatrix> {
     check_len_2d("x", x.len(), rows, k)?;
-    if format.is_fp4() && k % 2 != 0 {
+    if format.is_fp4() && !k.is_multiple_of(2) {
         return Err(Error::dim("k", format!("packed FP4 needs an even logical K, found {k}")));
     }
     if let Some(index) = x.iter().position(|v| !v.to_f32().is_finite()) {
@@ -91,8 +91,7 @@ pub fn quantize<T: Element>(
             plain_scales[r * kb_count + kb] = sf;
             for (i, e) in block.iter().enumerate() {
                 let y = e.to_f32() * inv;
-                codes[r * k + kb * v + i] =
-                    if format.is_fp4() { e2m1_from_f32(y) } else { e4m3_from_f32(y) };
+                codes[r * k + kb * v + i] = if format.is_fp4() { e2m1_from_f32(y) } else { e4m3_from_f32(y) };
             }
         }
     }

@@ -1,6 +1,6 @@
 //! Argument types of the operations and the validation every implementation shares.
 //!
-//! Each operation exists as a scalar oracle in [`crate::reference`]; every entry point validates
+//! Each operation exists as a scalar oracle in [`reference`](mod@crate::reference); every entry point validates
 //! all of its arguments (shapes, offsets, page table, capacity, slot conflicts) before it writes
 //! anything, so an error leaves the output and the cache unchanged.
 
@@ -171,10 +171,7 @@ pub(crate) fn ragged_rows(offsets: &[u32], m: usize) -> Result<Vec<(usize, usize
     }
     for (i, w) in offsets.windows(2).enumerate() {
         if w[1] < w[0] {
-            return Err(Error::RowOffsets {
-                index: i + 1,
-                reason: format!("decreases: {} after {}", w[1], w[0]),
-            });
+            return Err(Error::RowOffsets { index: i + 1, reason: format!("decreases: {} after {}", w[1], w[0]) });
         }
     }
     let last = *offsets.last().unwrap_or(&0) as usize;
@@ -241,7 +238,7 @@ pub(crate) fn check_tensor(arg: &'static str, len: usize, dims: &[usize]) -> Res
 
 /// Checks an element-wise RoPE freqs table and returns its row count.
 pub(crate) fn freqs_rows<F: Element>(freqs: &[F], width: usize) -> Result<usize> {
-    if width == 0 || freqs.len() % width != 0 {
+    if width == 0 || !freqs.len().is_multiple_of(width) {
         return Err(Error::shape("freqs_cis", format!("[rows, {width}]"), format!("{} elements", freqs.len())));
     }
     Ok(freqs.len() / width)

@@ -31,7 +31,7 @@ impl ExactSum {
         if mant == 0 {
             return;
         }
-        debug_assert!(exp >= LSB_EXP && exp <= 440 && mant.unsigned_abs() < 1u128 << 100);
+        debug_assert!((LSB_EXP..=440).contains(&exp) && mant.unsigned_abs() < 1u128 << 100);
         let s = (exp - LSB_EXP) as usize;
         let (idx, r) = (s / 32, s % 32);
         let neg = mant < 0;

@@ -14,9 +14,8 @@ use crate::error::{Error, Result};
 use crate::formats::fp8::{e4m3_to_units, e8m0_to_f32};
 use crate::formats::{BlockFormat, QuantizedRef, fp4};
 use crate::ops::{
-    Accumulation, KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, RopeBshdArgs,
-    RopeMath, RopeRaggedArgs, check_split, check_table_batch, check_tensor, check_valid_lengths, freqs_rows,
-    ragged_rows,
+    Accumulation, KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, RopeBshdArgs, RopeMath,
+    RopeRaggedArgs, check_split, check_table_batch, check_tensor, check_valid_lengths, freqs_rows, ragged_rows,
 };
 use exact::{ExactSum, f32_parts};
 
@@ -42,7 +41,9 @@ pub fn qkv_fp4_ragged<O: Element, C: Element>(
         });
     }
     if a.k() != w.k() {
-        return Err(Error::FormatMismatch { what: format!("hidden_state has K = {}, weight has K = {}", a.k(), w.k()) });
+        return Err(Error::FormatMismatch {
+            what: format!("hidden_state has K = {}, weight has K = {}", a.k(), w.k()),
+        });
     }
     if !args.tensor_sf.is_finite() {
         return Err(Error::NonFinite { arg: "tensor_sf", index: 0 });
@@ -139,7 +140,7 @@ pub fn rope_bshd<T: Element, C: Element>(
 ) -> Result<()> {
     let shape = kv.cache.shape();
     let d = shape.head_size();
-    if d % 2 != 0 {
+    if !d.is_multiple_of(2) {
         return Err(Error::dim("kv_blocks", format!("head_size must be even for RoPE pairs, found {d}")));
     }
     let (batch, s, hq) = (args.batch, args.seq_len, args.num_q_heads);
@@ -266,7 +267,7 @@ fn weight_rows<T>(weight: &[T], k: usize) -> Result<usize> {
     if k == 0 {
         return Err(Error::dim("hidden_size", "must be at least 1"));
     }
-    if weight.len() % k != 0 {
+    if !weight.len().is_multiple_of(k) {
         return Err(Error::shape("weight", format!("[N, {k}]"), format!("{} elements", weight.len())));
     }
     Ok(weight.len() / k)
