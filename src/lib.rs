@@ -11,23 +11,29 @@
 //! * [`cache`]: the paged cache (owned or a view of caller memory) and its page table.
 //! * [`reference`](mod@reference): the scalar oracle of every operation.
 //! * [`ops`]: argument types and accumulation / rounding modes.
-#![deny(unsafe_code)]
+//! * [`fast`]: the SIMD + rayon fast paths ([`Exec`] picks threads and ISA).
+#![deny(unsafe_code)] // allowed only in `simd` (kernels) and `kernels::scatter` (parallel writes)
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
 pub mod cache;
 pub mod element;
 pub mod error;
+pub mod fast;
 pub mod formats;
+mod kernels;
 pub mod ops;
 pub mod reference;
+mod simd;
 
 pub use cache::{CacheShape, KvSel, KvWrite, PageTable, PagedKvCache, PagedKvCacheMut};
 pub use element::{DType, Element};
 pub use error::{Error, Result, TokenRef};
+pub use fast::{Exec, Isa, Par, QkvFp4PackedArgs};
 pub use formats::fp8::E4M3;
 pub use formats::{BlockFormat, QuantizedMatrix, QuantizedRef};
 pub use half::{bf16, f16};
+pub use kernels::PackedWeights;
 
 /// The README's example, compiled and run as a doctest so that it stays true.
 #[cfg(doctest)]

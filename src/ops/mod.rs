@@ -4,10 +4,10 @@
 //! all of its arguments (shapes, offsets, page table, capacity, slot conflicts) before it writes
 //! anything, so an error leaves the output and the cache unchanged.
 
-use crate::cache::{CacheShape, KvSel, PageTable};
+use crate::cache::{CacheShape, KvSel, KvWrite, PageTable, SlotPlan};
 use crate::element::Element;
 use crate::error::{Error, Result, checked_len};
-use crate::formats::QuantizedRef;
+use crate::formats::{BlockFormat, QuantizedRef};
 
 /// How the reference accumulates a dot product.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -242,4 +242,38 @@ pub(crate) fn freqs_rows<F: Element>(freqs: &[F], width: usize) -> Result<usize>
         return Err(Error::shape("freqs_cis", format!("[rows, {width}]"), format!("{} elements", freqs.len())));
     }
     Ok(freqs.len() / width)
+}
+
+/// Validates a block-scaled fused QKV call (every check of spec §D/§F/§G and the project's
+/// decisions) and returns its slot plan. `weight` is (format, N, K).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn validate_fp4<C: Element>(
+    a: QuantizedRef<'_>,
+    input_row_offsets: &[u32],
+    weight: (BlockFormat, usize, usize),
+    tensor_sf: f32,
+    q_dim: usize,
+    output_len: usize,
+    kv: &KvWrite<'_, C>,
+) -> Result<SlotPlan> {
+    let (w_format, n, w_k) = weight;
+    if a.format() != w_format {
+        return Err(Error::FormatMismatch {
+            what: format!("hidden_state is {}, weight is {}", a.format().name(), w_format.name()),
+        });
+    }
+    if a.k() != w_k {
+        return Err(Error::FormatMismatch { what: format!("hidden_state has K = {}, weight has K = {w_k}", a.k()) });
+    }
+    if !tensor_sf.is_finite() {
+        return Err(Error::NonFinite { arg: "tensor_sf", index: 0 });
+    }
+    let m = a.rows();
+    let rows = ragged_rows(input_row_offsets, m)?;
+    let shape = kv.cache.shape();
+    check_table_batch(&kv.page_table, input_row_offsets.len() - 1)?;
+    check_split(n, q_dim, &shape)?;
+    check_tensor("output", output_len, &[m, q_dim])?;
+    let writes: Vec<_> = rows.iter().map(|&(b, t)| (b, t, true)).collect();
+    SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)
 }

@@ -16,6 +16,7 @@ use crate::formats::{BlockFormat, QuantizedRef, fp4};
 use crate::ops::{
     Accumulation, KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, RopeBshdArgs, RopeMath,
     RopeRaggedArgs, check_split, check_table_batch, check_tensor, check_valid_lengths, freqs_rows, ragged_rows,
+    validate_fp4,
 };
 use exact::{ExactSum, f32_parts};
 
@@ -35,27 +36,15 @@ pub fn qkv_fp4_ragged<O: Element, C: Element>(
     mode: Accumulation,
 ) -> Result<()> {
     let (a, w) = (args.hidden_state, args.weight);
-    if a.format() != w.format() {
-        return Err(Error::FormatMismatch {
-            what: format!("hidden_state is {}, weight is {}", a.format().name(), w.format().name()),
-        });
-    }
-    if a.k() != w.k() {
-        return Err(Error::FormatMismatch {
-            what: format!("hidden_state has K = {}, weight has K = {}", a.k(), w.k()),
-        });
-    }
-    if !args.tensor_sf.is_finite() {
-        return Err(Error::NonFinite { arg: "tensor_sf", index: 0 });
-    }
-    let m = a.rows();
-    let rows = ragged_rows(args.input_row_offsets, m)?;
-    let shape = kv.cache.shape();
-    check_table_batch(&kv.page_table, args.input_row_offsets.len() - 1)?;
-    check_split(w.rows(), args.q_dim, &shape)?;
-    check_tensor("output", output.len(), &[m, args.q_dim])?;
-    let writes: Vec<_> = rows.iter().map(|&(b, t)| (b, t, true)).collect();
-    let plan = SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)?;
+    let plan = validate_fp4(
+        a,
+        args.input_row_offsets,
+        (w.format(), w.rows(), w.k()),
+        args.tensor_sf,
+        args.q_dim,
+        output.len(),
+        kv,
+    )?;
 
     let vals = match mode {
         Accumulation::Sequential => fp4_matmul_sequential(a, w, args.tensor_sf),

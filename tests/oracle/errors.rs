@@ -1,7 +1,7 @@
 //! Every error variant is produced, and leaves the output and the whole cache unchanged.
 
 use crate::common::*;
-use crate::qkv_fp4::{Config, Setup, setup};
+use crate::fp4_setup::{Config, Setup, setup};
 use paged_qkv::formats::BlockFormat;
 use paged_qkv::formats::quantize::quantize;
 use paged_qkv::reference::{kv_store_ragged, qkv_bshd, qkv_fp4_ragged, rope_bshd, rope_ragged};

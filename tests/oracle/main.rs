@@ -4,6 +4,7 @@
 mod common;
 mod errors;
 mod formats;
+mod fp4_setup;
 mod layout;
 mod plain;
 mod qkv_fp4;

@@ -1,0 +1,132 @@
+//! AVX2 and AVX-512 VNNI FP4 group kernels (see the parent module for the arithmetic they share).
+//!
+//! Weights arrive as `w + 12 ∈ [0, 24]` after a `vpshufb` of the nibbles, so they are the unsigned
+//! operand of `vpmaddubsw` / `vpdpbusd`; activations (doubled E2M1, |a| ≤ 12) are the signed one,
+//! and `12 · Σa` per (row, block) is subtracted once. |a| ≤ 12 also means no activation is −128,
+//! so no sign trick is needed, and i16 partial sums stay below 8 · 2 · 24 · 12 = 4608.
+
+use super::{GROUP, MR};
+use crate::kernels::{Fp4Group, Fp4Rows, ScaleKind};
+use std::arch::x86_64::*;
+
+/// `w + 12` for each E2M1 code (codes 8..15 are the negatives).
+const LUT: [i8; 16] = [12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0];
+
+#[inline(always)]
+fn read_u32(p: &[i8], i: usize) -> i32 {
+    let b: [i8; 4] = p[i..i + 4].try_into().unwrap_or([0; 4]); // one bounds check, one load
+    i32::from_le_bytes([b[0] as u8, b[1] as u8, b[2] as u8, b[3] as u8])
+}
+
+/// # Safety
+/// AVX2 and FMA must be available; `g.check(rows)` must have passed.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn fp4_group_avx2(g: &Fp4Group<'_>, rows: &Fp4Rows<'_>, out: &mut [[f32; GROUP]; MR]) {
+    let lut128 = _mm_loadu_si128_safe(&LUT);
+    let lut = _mm256_broadcastsi128_si256(lut128);
+    let mask = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let mr = rows.count();
+    let v = g.pairs * 8;
+    for half in 0..2 {
+        let mut acc = [_mm256_setzero_ps(); MR];
+        for kb in 0..g.kb {
+            let mut s16 = [_mm256_setzero_si256(); MR];
+            for p in 0..g.pairs {
+                let off = (kb * g.pairs + p) * 64 + half * 32;
+                // SAFETY: `check` proved w.len() ≥ kb_total · pairs · 64, so off + 32 is in bounds.
+                let w = unsafe { _mm256_loadu_si256(g.w.as_ptr().add(off).cast()) };
+                let lo = _mm256_and_si256(w, mask);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), mask);
+                let wl = _mm256_shuffle_epi8(lut, lo);
+                let wh = _mm256_shuffle_epi8(lut, hi);
+                for r in 0..mr {
+                    let a = rows.a[r];
+                    let a0 = _mm256_set1_epi32(read_u32(a, kb * v + p * 8));
+                    let a1 = _mm256_set1_epi32(read_u32(a, kb * v + p * 8 + 4));
+                    let t = _mm256_add_epi16(_mm256_maddubs_epi16(wl, a0), _mm256_maddubs_epi16(wh, a1));
+                    s16[r] = _mm256_add_epi16(s16[r], t);
+                }
+            }
+            // SAFETY: `check` proved ws.len() ≥ kb_total · 16.
+            let sb = unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(g.ws.as_ptr().add(kb * GROUP + half * 8).cast())) };
+            for r in 0..mr {
+                let isum = _mm256_sub_epi32(_mm256_madd_epi16(s16[r], ones), _mm256_set1_epi32(rows.corr[r][kb]));
+                let s = match g.kind {
+                    ScaleKind::E5m3 => _mm256_mul_ps(
+                        _mm256_castsi256_ps(_mm256_slli_epi32::<20>(sb)),
+                        _mm256_set1_ps(f32::from_bits(rows.sc[r][kb])),
+                    ),
+                    ScaleKind::E8m0 => {
+                        let e = _mm256_add_epi32(sb, _mm256_set1_epi32(rows.sc[r][kb] as i32));
+                        let e = _mm256_min_epi32(_mm256_max_epi32(e, _mm256_setzero_si256()), _mm256_set1_epi32(255));
+                        _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e))
+                    }
+                };
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, acc[r]);
+            }
+        }
+        for r in 0..mr {
+            let mut tmp = [0f32; 8];
+            // SAFETY: tmp holds 8 f32.
+            unsafe { _mm256_storeu_ps(tmp.as_mut_ptr(), acc[r]) };
+            out[r][half * 8..half * 8 + 8].copy_from_slice(&tmp);
+        }
+    }
+}
+
+#[inline(always)]
+fn _mm_loadu_si128_safe(x: &[i8; 16]) -> __m128i {
+    // SAFETY: reads exactly the 16 bytes of `x`; SSE2 is part of x86-64.
+    unsafe { _mm_loadu_si128(x.as_ptr().cast()) }
+}
+
+/// # Safety
+/// AVX-512 F, BW and VNNI must be available; `g.check(rows)` must have passed.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub(super) unsafe fn fp4_group_avx512(g: &Fp4Group<'_>, rows: &Fp4Rows<'_>, out: &mut [[f32; GROUP]; MR]) {
+    let lut = _mm512_broadcast_i32x4(_mm_loadu_si128_safe(&LUT));
+    let mask = _mm512_set1_epi8(0x0F);
+    let mr = rows.count();
+    let v = g.pairs * 8;
+    let mut acc = [_mm512_setzero_ps(); MR];
+    for kb in 0..g.kb {
+        let mut i32acc = [_mm512_setzero_si512(); MR];
+        for p in 0..g.pairs {
+            let off = (kb * g.pairs + p) * 64;
+            // SAFETY: `check` proved w.len() ≥ kb_total · pairs · 64.
+            let w = unsafe { _mm512_loadu_si512(g.w.as_ptr().add(off).cast()) };
+            let lo = _mm512_and_si512(w, mask);
+            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(w), mask);
+            let wl = _mm512_shuffle_epi8(lut, lo);
+            let wh = _mm512_shuffle_epi8(lut, hi);
+            for r in 0..mr {
+                let a = rows.a[r];
+                let a0 = _mm512_set1_epi32(read_u32(a, kb * v + p * 8));
+                let a1 = _mm512_set1_epi32(read_u32(a, kb * v + p * 8 + 4));
+                i32acc[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i32acc[r], wl, a0), wh, a1);
+            }
+        }
+        // SAFETY: `check` proved ws.len() ≥ kb_total · 16.
+        let sb = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(g.ws.as_ptr().add(kb * GROUP).cast())) };
+        for r in 0..mr {
+            let isum = _mm512_sub_epi32(i32acc[r], _mm512_set1_epi32(rows.corr[r][kb]));
+            let s = match g.kind {
+                ScaleKind::E5m3 => _mm512_mul_ps(
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<20>(sb)),
+                    _mm512_set1_ps(f32::from_bits(rows.sc[r][kb])),
+                ),
+                ScaleKind::E8m0 => {
+                    let e = _mm512_add_epi32(sb, _mm512_set1_epi32(rows.sc[r][kb] as i32));
+                    let e = _mm512_min_epi32(_mm512_max_epi32(e, _mm512_setzero_si512()), _mm512_set1_epi32(255));
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<23>(e))
+                }
+            };
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[r]);
+        }
+    }
+    for r in 0..mr {
+        // SAFETY: out[r] holds 16 f32.
+        unsafe { _mm512_storeu_ps(out[r].as_mut_ptr(), acc[r]) };
+    }
+}

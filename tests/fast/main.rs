@@ -1,0 +1,369 @@
+//! The fast paths against the scalar kernel (bit for bit, on every ISA this CPU has) and against
+//! the oracle's Exact mode (within the summation error bound), plus thread-count and batch
+//! invariance, and validation. Runs under QEMU for NEON (see README).
+
+#[path = "../oracle/common.rs"]
+mod common;
+#[path = "../oracle/fp4_setup.rs"]
+mod fp4_setup;
+
+use common::*;
+use fp4_setup::*;
+use paged_qkv::fast::{qkv_fp4_ragged, qkv_fp4_ragged_packed};
+use paged_qkv::formats::BlockFormat;
+use paged_qkv::formats::QuantizedMatrix;
+use paged_qkv::formats::scale_layout::ScaleLayout;
+use paged_qkv::reference;
+use paged_qkv::{
+    Accumulation, Element, Error, Exec, Isa, KvWrite, PackedWeights, PageTable, PagedKvCache, Par, QkvFp4Args,
+    QkvFp4PackedArgs, bf16,
+};
+use proptest::prelude::{ProptestConfig, any, prop_assert_eq, proptest};
+
+/// Runs the fast path (or the oracle when `exec` is None) on `s` with a cache seeded by `seed`.
+fn run<O: Element, C: Element>(s: &Setup, tsf: f32, exec: Option<Exec>, seed: u64) -> (Vec<O>, Vec<C>) {
+    let mut cache: PagedKvCache<C> = random_cache(&mut Rng::new(seed), s.shape);
+    let mut out = vec![O::from_f32(-7.0); s.rows.len() * s.q_dim];
+    let args = QkvFp4Args {
+        hidden_state: s.a.as_ref(),
+        input_row_offsets: &s.offsets,
+        weight: s.w.as_ref(),
+        tensor_sf: tsf,
+        q_dim: s.q_dim,
+    };
+    let table = PageTable::new(&s.pages.lookup, s.pages.cols, &s.pages.cache_lengths).unwrap();
+    let mut kv = KvWrite::new(cache.view_mut(), table, s.layer);
+    match exec {
+        Some(e) => qkv_fp4_ragged(&args, &mut out, &mut kv, e).unwrap(),
+        None => reference::qkv_fp4_ragged(&args, &mut out, &mut kv, Accumulation::Exact).unwrap(),
+    }
+    (out, cache.into_vec())
+}
+
+fn isas() -> Vec<Isa> {
+    let v = Isa::available();
+    eprintln!(
+        "ISAs tested: {:?} (not available here: {:?})",
+        v,
+        Isa::ALL.iter().filter(|i| !v.contains(i)).collect::<Vec<_>>()
+    );
+    v
+}
+
+fn scalar() -> Exec {
+    Exec { par: Par::Sequential, isa: Some(Isa::Scalar) }
+}
+
+/// Σ_blocks |isum · sa · sb| · |tsf| for (row i, col n), in f64 from the decoded values.
+fn abs_block_sum(s: &Setup, i: usize, n: usize, tsf: f32) -> f64 {
+    let (a, w) = (s.a.as_ref(), s.w.as_ref());
+    let f = a.format();
+    let v = f.vector_size();
+    let mut total = 0f64;
+    for kb in 0..a.k_blocks() {
+        let mut bs = 0f64;
+        for k in kb * v..((kb + 1) * v).min(a.k()) {
+            bs += f.element_to_f32(a.row(i), k) as f64 * f.element_to_f32(w.row(n), k) as f64;
+        }
+        total += (bs * a.scale(i, kb) as f64 * w.scale(n, kb) as f64).abs();
+    }
+    total * tsf.abs() as f64
+}
+
+/// Checks (f32 output and cache) `|fast − exact| ≤ (Kb + 1) · 2^-24 · Σ|block terms| + ulp`.
+fn check_bound(s: &Setup, tsf: f32, fast: &(Vec<f32>, Vec<f32>), exact: &(Vec<f32>, Vec<f32>)) {
+    let kb = s.a.as_ref().k_blocks() as f64;
+    let u = 2f64.powi(-24);
+    let check = |got: f32, want: f32, i: usize, n: usize| {
+        if want.is_nan() {
+            assert!(got.is_nan(), "row {i} col {n}: NaN expected, got {got}");
+            return;
+        }
+        let bound = (kb + 2.0) * u * abs_block_sum(s, i, n, tsf) + want.abs() as f64 * u + 1e-38;
+        let diff = (got as f64 - want as f64).abs();
+        assert!(diff <= bound, "row {i} col {n}: fast {got} exact {want} diff {diff} > bound {bound}");
+    };
+    for i in 0..s.rows.len() {
+        for n in 0..s.q_dim {
+            check(fast.0[i * s.q_dim + n], exact.0[i * s.q_dim + n], i, n);
+        }
+    }
+    // Cache: compare element-wise; entries the op does not write are equal in both (same seed).
+    for (idx, (g, w)) in fast.1.iter().zip(&exact.1).enumerate() {
+        if g.to_bits() != w.to_bits() {
+            let c = s.shape.coords(idx);
+            // Find the (row, col) that writes this element.
+            let (i, n) = s
+                .rows
+                .iter()
+                .enumerate()
+                .find_map(|(i, &(b, t))| {
+                    (s.q_dim..s.w.rows())
+                        .find(|&n| {
+                            let (bl, kv, l, sl, h, d) = kv_coord(s, b, t, n);
+                            [bl, kv, l, sl, h, d] == c
+                        })
+                        .map(|n| (i, n))
+                })
+                .unwrap_or_else(|| panic!("fast path changed cache element {c:?} that no token writes"));
+            check(*g, *w, i, n);
+        }
+    }
+}
+
+pub fn kv_coord(s: &Setup, b: usize, t: usize, n: usize) -> Coord {
+    let p = s.shape.page_size();
+    let pos = s.pages.cache_lengths[b] as usize + t;
+    let block = s.pages.lookup[b * s.pages.cols + pos / p] as usize;
+    let j = n - s.q_dim;
+    let (hd, kvw) = (s.shape.head_size(), s.shape.kv_width());
+    let (kv, h, d) = if s.shape.is_mla() {
+        (0, 0, j)
+    } else if j < kvw {
+        (0, j / hd, j % hd)
+    } else {
+        (1, (j - kvw) / hd, (j - kvw) % hd)
+    };
+    (block, kv, s.layer, pos % p, h, d)
+}
+
+fn config(rng: &mut Rng, format: BlockFormat, mla: bool) -> Config {
+    let lens: Vec<usize> = (0..rng.range(1, 4)).map(|_| rng.range(0, 7)).collect();
+    Config {
+        format,
+        k: [32, 64, 96, 48, 160, 200, 18][rng.below(7)].max(if format.is_fp4() { 2 } else { 1 }),
+        cache_lengths: lens.iter().map(|_| rng.range(0, 9) as u32).collect(),
+        lens,
+        hq: rng.range(1, 3),
+        hkv: rng.range(1, 2),
+        hd: [16, 32, 8][rng.below(3)],
+        page: [1, 3, 4, 16][rng.below(4)],
+        layers: rng.range(1, 2),
+        mla_width: mla.then(|| rng.range(1, 8)),
+    }
+}
+
+#[test]
+fn every_isa_is_bit_identical_to_the_scalar_kernel_and_close_to_exact() {
+    let isas = isas();
+    let mut rng = Rng::new(50);
+    for case in 0..30 {
+        let format = BlockFormat::ALL[case % 3];
+        let c = config(&mut rng, format, case % 5 == 4);
+        let s = setup(&mut rng, &c);
+        let tsf = [1.0f32, 0.75, 3.0e-3][rng.below(3)];
+        let base: (Vec<f32>, Vec<f32>) = run(&s, tsf, Some(scalar()), 7);
+        let exact: (Vec<f32>, Vec<f32>) = run(&s, tsf, None, 7);
+        check_bound(&s, tsf, &base, &exact);
+        for &isa in &isas {
+            for par in [Par::Sequential, Par::Rayon] {
+                let got: (Vec<f32>, Vec<f32>) = run(&s, tsf, Some(Exec { par, isa: Some(isa) }), 7);
+                assert_eq!(bits(&got.0), bits(&base.0), "{isa:?} {par:?} output, case {case}");
+                assert_eq!(bits(&got.1), bits(&base.1), "{isa:?} {par:?} cache, case {case}");
+            }
+        }
+        // bf16 output and cache: the same values, rounded once from f32.
+        let b: (Vec<bf16>, Vec<bf16>) = run(&s, tsf, Some(Exec::default()), 7);
+        for (x, y) in b.0.iter().zip(&base.0) {
+            assert_eq!(x.to_bits(), bf16::from_f32(*y).to_bits());
+        }
+    }
+}
+
+#[test]
+fn real_shapes_and_adversarial_scales() {
+    let isas = isas();
+    let mut rng = Rng::new(51);
+    // Qwen2.5-0.5B (K 896, 14/2 heads of 64), M = 9 (crosses the decode tiling and MR).
+    for format in [BlockFormat::Nvfp4, BlockFormat::Mxfp4] {
+        let c = Config {
+            format,
+            k: 896,
+            lens: vec![5, 0, 4],
+            cache_lengths: vec![126, 0, 300],
+            hq: 14,
+            hkv: 2,
+            hd: 64,
+            page: 128,
+            layers: 1,
+            mla_width: None,
+        };
+        let mut s = setup(&mut rng, &c);
+        if format == BlockFormat::Nvfp4 {
+            // 1 in 8 weight scales subnormal (0x01..0x07), some at the maximum 0x7E.
+            let lay = s.w.as_ref().scale_layout();
+            let (data, mut scales, ts) = s.w.clone().into_parts();
+            for r in 0..s.w.rows() {
+                for kb in 0..lay.k_blocks() {
+                    let o = lay.offset(r, kb);
+                    match rng.below(16) {
+                        0 | 1 => scales[o] = 1 + rng.below(7) as u8,
+                        2 => scales[o] = 0x7E,
+                        _ => {}
+                    }
+                }
+            }
+            s.w = QuantizedMatrix::from_parts(format, s.w.rows(), 896, data, scales, ts).unwrap();
+        }
+        let base: (Vec<f32>, Vec<f32>) = run(&s, 0.5, Some(scalar()), 3);
+        let exact: (Vec<f32>, Vec<f32>) = run(&s, 0.5, None, 3);
+        check_bound(&s, 0.5, &base, &exact);
+        for &isa in &isas {
+            let got: (Vec<f32>, Vec<f32>) = run(&s, 0.5, Some(Exec { par: Par::Rayon, isa: Some(isa) }), 3);
+            assert_eq!(bits(&got.0), bits(&base.0), "{isa:?}");
+            assert_eq!(bits(&got.1), bits(&base.1), "{isa:?}");
+        }
+    }
+}
+
+#[test]
+fn nan_scales_match_the_oracle() {
+    let mut rng = Rng::new(52);
+    for format in [BlockFormat::Nvfp4, BlockFormat::Mxfp4, BlockFormat::Mxfp8] {
+        let c = config(&mut rng, format, false);
+        let mut s = setup(&mut rng, &Config { lens: vec![3, 2], cache_lengths: vec![0, 1], ..c });
+        let nan = if format == BlockFormat::Nvfp4 { 0x7F } else { 0xFF };
+        for m in [&mut s.a, &mut s.w] {
+            let lay = m.as_ref().scale_layout();
+            let (data, mut scales, ts) = m.clone().into_parts();
+            scales[lay.offset(1, lay.k_blocks() - 1)] = nan;
+            *m = QuantizedMatrix::from_parts(format, m.rows(), m.k(), data, scales, ts).unwrap();
+        }
+        let exact: (Vec<f32>, Vec<f32>) = run(&s, 1.0, None, 1);
+        for &isa in &isas() {
+            let got: (Vec<f32>, Vec<f32>) = run(&s, 1.0, Some(Exec::default().with_isa(isa)), 1);
+            for (g, e) in got.0.iter().zip(&exact.0).chain(got.1.iter().zip(&exact.1)) {
+                assert_eq!(g.is_nan(), e.is_nan(), "{format:?} {isa:?}");
+            }
+        }
+    }
+}
+
+fn in_pool<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
+    rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap().install(f)
+}
+
+#[test]
+fn thread_counts_and_batch_composition_do_not_change_bits() {
+    let mut rng = Rng::new(53);
+    for (lens, format) in
+        [(vec![70usize, 3], BlockFormat::Nvfp4), (vec![2, 1], BlockFormat::Mxfp4), (vec![9], BlockFormat::Mxfp8)]
+    {
+        let c = Config {
+            format,
+            k: 256,
+            cache_lengths: lens.iter().map(|_| 5).collect(),
+            lens: lens.clone(),
+            hq: 4,
+            hkv: 2,
+            hd: 32,
+            page: 16,
+            layers: 1,
+            mla_width: None,
+        };
+        let s = setup(&mut rng, &c);
+        let one: (Vec<bf16>, Vec<bf16>) = in_pool(1, || run(&s, 1.0, Some(Exec::default()), 9));
+        for threads in [2, 8] {
+            let got: (Vec<bf16>, Vec<bf16>) = in_pool(threads, || run(&s, 1.0, Some(Exec::default()), 9));
+            assert_eq!(bits(&got.0), bits(&one.0), "{threads} threads");
+            assert_eq!(bits(&got.1), bits(&one.1), "{threads} threads");
+        }
+        // The last sequence alone (a different M, possibly another tiling) gives the same rows.
+        let last = *lens.last().unwrap();
+        let m = s.rows.len();
+        let (data, _, ts) = s.a.clone().into_parts();
+        let rb = format.row_bytes(c.k);
+        let kb = s.a.as_ref().k_blocks();
+        let plain: Vec<u8> = (m - last..m)
+            .flat_map(|r| (0..kb).map(move |b| (r, b)))
+            .map(|(r, b)| s.a.as_ref().scale_byte(r, b))
+            .collect();
+        let a1 = QuantizedMatrix::from_parts(
+            format,
+            last,
+            c.k,
+            data[(m - last) * rb..].to_vec(),
+            ScaleLayout::new(last, kb).interleave(&plain).unwrap(),
+            ts,
+        )
+        .unwrap();
+        let cols = s.pages.cols;
+        let b = lens.len() - 1;
+        let alone = Setup {
+            a: a1,
+            offsets: vec![0, last as u32],
+            pages: Pages { lookup: s.pages.lookup[b * cols..(b + 1) * cols].to_vec(), cols, cache_lengths: vec![5] },
+            rows: (0..last).map(|t| (0, t)).collect(),
+            ..s.clone()
+        };
+        let got: (Vec<bf16>, Vec<bf16>) = run(&alone, 1.0, Some(Exec::default()), 9);
+        assert_eq!(bits(&got.0), bits(&one.0[(m - last) * s.q_dim..]), "batch composition changed Q");
+    }
+}
+
+#[test]
+fn packed_entry_point_and_validation() {
+    let mut rng = Rng::new(54);
+    let c = config(&mut rng, BlockFormat::Nvfp4, false);
+    let s = setup(&mut rng, &Config { lens: vec![2, 3], cache_lengths: vec![3, 0], ..c });
+    let raw: (Vec<f32>, Vec<f32>) = run(&s, 1.0, Some(Exec::default()), 4);
+    let packed = PackedWeights::new(s.w.as_ref());
+    let mut cache: PagedKvCache<f32> = random_cache(&mut Rng::new(4), s.shape);
+    let mut out = vec![-7.0f32; 5 * s.q_dim];
+    let table = PageTable::new(&s.pages.lookup, s.pages.cols, &s.pages.cache_lengths).unwrap();
+    let args = QkvFp4PackedArgs {
+        hidden_state: s.a.as_ref(),
+        input_row_offsets: &s.offsets,
+        weight: &packed,
+        tensor_sf: 1.0,
+        q_dim: s.q_dim,
+    };
+    let mut kv = KvWrite::new(cache.view_mut(), table, s.layer);
+    qkv_fp4_ragged_packed(&args, &mut out, &mut kv, Exec::default()).unwrap();
+    assert_eq!(bits(&out), bits(&raw.0));
+    assert_eq!(bits(cache.data()), bits(&raw.1));
+
+    // Errors leave everything unchanged: a slot conflict, a wrong output size, an unavailable ISA.
+    let before = (bits(&out), bits(cache.data()));
+    // Sequence 1 gets sequence 0's pages and start position: both write position 3.
+    let cols = s.pages.cols;
+    let mut lookup = s.pages.lookup.clone();
+    lookup.copy_within(0..cols, cols);
+    let same_start = [3u32, 3];
+    let table = PageTable::new(&lookup, cols, &same_start).unwrap();
+    let mut kv = KvWrite::new(cache.view_mut(), table, s.layer);
+    assert!(matches!(
+        qkv_fp4_ragged_packed(&args, &mut out, &mut kv, Exec::default()),
+        Err(Error::SlotConflict { .. })
+    ));
+    let table = PageTable::new(&s.pages.lookup, s.pages.cols, &s.pages.cache_lengths).unwrap();
+    let mut kv = KvWrite::new(cache.view_mut(), table, s.layer);
+    assert!(matches!(qkv_fp4_ragged_packed(&args, &mut out[1..], &mut kv, Exec::default()), Err(Error::Shape { .. })));
+    for isa in Isa::ALL.into_iter().filter(|i| !i.is_available()) {
+        let r = qkv_fp4_ragged_packed(&args, &mut out, &mut kv, Exec::default().with_isa(isa));
+        assert!(matches!(r, Err(Error::Unsupported { .. })), "forcing {isa:?} must fail");
+    }
+    assert_eq!((bits(&out), bits(cache.data())), before);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Random shapes: K not a multiple of 64, M not a multiple of the tile, empty sequences,
+    /// page boundaries, one KV head, MLA.
+    #[test]
+    fn random_shapes_all_isas(seed in any::<u64>(), fmt in 0usize..3, mla in any::<bool>(), k2 in 1usize..90) {
+        let mut rng = Rng::new(seed);
+        let format = BlockFormat::ALL[fmt];
+        let c = Config { k: 2 * k2, ..config(&mut rng, format, mla) };
+        let s = setup(&mut rng, &c);
+        let base: (Vec<f32>, Vec<f32>) = run(&s, 0.5, Some(scalar()), seed);
+        let exact: (Vec<f32>, Vec<f32>) = run(&s, 0.5, None, seed);
+        check_bound(&s, 0.5, &base, &exact);
+        for isa in Isa::available() {
+            let got: (Vec<f32>, Vec<f32>) = run(&s, 0.5, Some(Exec::default().with_isa(isa)), seed);
+            prop_assert_eq!(bits(&got.0), bits(&base.0));
+            prop_assert_eq!(bits(&got.1), bits(&base.1));
+        }
+    }
+}
