@@ -3,9 +3,11 @@
 //!
 //! Results are **bitwise identical** for every ISA, thread count, batch composition and M
 //! (decode and prefill tilings share one arithmetic order, see `crate::simd`), and differ from the
-//! oracle's `Exact` mode only by f32 summation over the K/V blocks of each dot product:
-//! `|fast − exact| ≤ Kb · 2^-24 · Σ_blocks |block term| · |tensor_sf|` plus the final rounding
-//! (for MX scales: while every scale product lies in f32's normal range).
+//! oracle's `Exact` mode only by f32 summation: for the FP4 formats each block's integer sum is
+//! exact and `|fast − exact| ≤ (Kb + 2) · 2^-24 · Σ_blocks |block term| · |tensor_sf|` plus the
+//! final rounding; MXFP8 (scalar kernel, all ISAs) also sums inside a block in f32:
+//! `≤ (K + Kb + 2) · 2^-24 · Σ_k |term|`. For MX scales this holds while every scale product
+//! lies in f32's normal range (outside it the product flushes to 0 or overflows to ∞).
 
 use crate::cache::KvWrite;
 use crate::element::Element;
@@ -148,5 +150,44 @@ fn run_packed<O: Element, C: Element>(
         mult,
     );
     run(w, &acts, m, token, exec.par == Par::Rayon, &epi, Tiling::choose(m, shape.head_size()));
+    Ok(())
+}
+
+/// The same kernels writing a plain row-major `[M, N]` matrix
+/// (`output[m, n] = round(tensor_sf · Σ …)`): a block-scaled GEMM `A · Wᵀ` without routing.
+pub fn matmul_fp4_packed<O: Element>(
+    a: QuantizedRef<'_>,
+    weight: &PackedWeights,
+    tensor_sf: f32,
+    output: &mut [O],
+    exec: Exec,
+) -> Result<()> {
+    let token = IsaToken::new(exec.isa)?;
+    if a.format() != weight.format() || a.k() != weight.k() {
+        return Err(Error::FormatMismatch {
+            what: format!(
+                "a is {} with K = {}, weight is {} with K = {}",
+                a.format().name(),
+                a.k(),
+                weight.format().name(),
+                weight.k()
+            ),
+        });
+    }
+    if !tensor_sf.is_finite() {
+        return Err(Error::NonFinite { arg: "tensor_sf", index: 0 });
+    }
+    let (m, n) = (a.rows(), weight.rows());
+    crate::ops::check_tensor("output", output.len(), &[m, n])?;
+    if m == 0 {
+        return Ok(());
+    }
+    let acts = Acts::prepare(a);
+    let mult = if weight.format().is_fp4() { tensor_sf * 0.25 } else { tensor_sf };
+    let mut no_cache: [O; 0] = [];
+    let plan = crate::cache::SlotPlan { rows: vec![None; m] };
+    let shape = crate::cache::CacheShape::mha(1, 1, 1, 1, 1)?;
+    let epi = Epilogue::<O, O>::new(output, &mut no_cache, shape, 0, &plan, n, n, acts.nan_row(), weight.nan_col(), mult);
+    run(weight, &acts, m, token, exec.par == Par::Rayon, &epi, Tiling::choose(m, 128));
     Ok(())
 }

@@ -121,17 +121,37 @@ impl IsaToken {
 /// `out[r][c]` for r < rows.count(), c < 16.
 pub(crate) fn fp4_group(token: IsaToken, g: &Fp4Group<'_>, rows: &Fp4Rows<'_>, out: &mut [[f32; GROUP]; MR]) {
     g.check(rows);
+    // One monomorphised kernel per row count keeps the accumulators in registers.
+    macro_rules! by_rows {
+        ($f:ident) => {
+            match rows.count() {
+                1 => $f::<1>(g, rows, out),
+                2 => $f::<2>(g, rows, out),
+                3 => $f::<3>(g, rows, out),
+                _ => $f::<4>(g, rows, out),
+            }
+        };
+    }
     match token.0 {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the token proves AVX2 and FMA were detected; `check` proved the slice lengths
         // the kernel's unchecked loads rely on.
-        Isa::Avx2 => unsafe { x86::fp4_group_avx2(g, rows, out) },
+        Isa::Avx2 => unsafe {
+            use x86::fp4_group_avx2 as k;
+            by_rows!(k)
+        },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the token proves AVX-512 F, BW and VNNI were detected; lengths as above.
-        Isa::Avx512 => unsafe { x86::fp4_group_avx512(g, rows, out) },
+        Isa::Avx512 => unsafe {
+            use x86::fp4_group_avx512 as k;
+            by_rows!(k)
+        },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: the token proves NEON was detected; lengths as above.
-        Isa::Neon => unsafe { neon::fp4_group_neon(g, rows, out) },
+        Isa::Neon => unsafe {
+            use neon::fp4_group_neon as k;
+            by_rows!(k)
+        },
         _ => group_scalar(g, rows, out),
     }
 }

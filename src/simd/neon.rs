@@ -16,24 +16,24 @@ fn read_u32(p: &[i8], i: usize) -> u32 {
 /// # Safety
 /// NEON must be available; `g.check(rows)` must have passed.
 #[target_feature(enable = "neon")]
-pub(super) unsafe fn fp4_group_neon(g: &Fp4Group<'_>, rows: &Fp4Rows<'_>, out: &mut [[f32; GROUP]; MR]) {
+pub(super) unsafe fn fp4_group_neon<const R: usize>(g: &Fp4Group<'_>, rows: &Fp4Rows<'_>, out: &mut [[f32; GROUP]; MR]) {
     // SAFETY: E2M1_DOUBLED holds 16 bytes.
     let lut = unsafe { vld1q_s8(E2M1_DOUBLED.as_ptr()) };
     let mask = vdupq_n_u8(0x0F);
-    let mr = rows.count();
+    debug_assert_eq!(rows.count(), R);
     let v = g.pairs * 8;
     for quad in 0..4 {
-        let mut acc = [vdupq_n_f32(0.0); MR];
+        let mut acc = [vdupq_n_f32(0.0); R];
         for kb in 0..g.kb {
-            let mut lo16 = [vdupq_n_s16(0); MR];
-            let mut hi16 = [vdupq_n_s16(0); MR];
+            let mut lo16 = [vdupq_n_s16(0); R];
+            let mut hi16 = [vdupq_n_s16(0); R];
             for p in 0..g.pairs {
                 let off = (kb * g.pairs + p) * 64 + quad * 16;
                 // SAFETY: `check` proved w.len() ≥ kb_total · pairs · 64.
                 let w = unsafe { vld1q_u8(g.w.as_ptr().add(off)) };
                 let wl = vqtbl1q_s8(lut, vandq_u8(w, mask));
                 let wh = vqtbl1q_s8(lut, vshrq_n_u8::<4>(w));
-                for r in 0..mr {
+                for r in 0..R {
                     let a = rows.a[r];
                     let a0 = vreinterpretq_s8_u32(vdupq_n_u32(read_u32(a, kb * v + p * 8)));
                     let a1 = vreinterpretq_s8_u32(vdupq_n_u32(read_u32(a, kb * v + p * 8 + 4)));
@@ -50,7 +50,7 @@ pub(super) unsafe fn fp4_group_neon(g: &Fp4Group<'_>, rows: &Fp4Rows<'_>, out: &
             let sb = [sbytes[0] as u32, sbytes[1] as u32, sbytes[2] as u32, sbytes[3] as u32];
             // SAFETY: sb holds 4 u32.
             let sb = unsafe { vld1q_u32(sb.as_ptr()) };
-            for r in 0..mr {
+            for r in 0..R {
                 let isum = vpaddq_s32(vpaddlq_s16(lo16[r]), vpaddlq_s16(hi16[r]));
                 let s = match g.kind {
                     ScaleKind::E5m3 => vmulq_f32(
@@ -66,7 +66,7 @@ pub(super) unsafe fn fp4_group_neon(g: &Fp4Group<'_>, rows: &Fp4Rows<'_>, out: &
                 acc[r] = vfmaq_f32(acc[r], vcvtq_f32_s32(isum), s);
             }
         }
-        for r in 0..mr {
+        for r in 0..R {
             let mut tmp = [0f32; 4];
             // SAFETY: tmp holds 4 f32.
             unsafe { vst1q_f32(tmp.as_mut_ptr(), acc[r]) };

@@ -70,16 +70,37 @@ fn abs_block_sum(s: &Setup, i: usize, n: usize, tsf: f32) -> f64 {
     total * tsf.abs() as f64
 }
 
-/// Checks (f32 output and cache) `|fast − exact| ≤ (Kb + 1) · 2^-24 · Σ|block terms| + ulp`.
+/// Σ_k |a_k · b_k · sa · sb| · |tsf| (every product's magnitude).
+fn abs_term_sum(s: &Setup, i: usize, n: usize, tsf: f32) -> f64 {
+    let (a, w) = (s.a.as_ref(), s.w.as_ref());
+    let f = a.format();
+    let v = f.vector_size();
+    (0..a.k())
+        .map(|k| {
+            (f.element_to_f32(a.row(i), k) as f64
+                * f.element_to_f32(w.row(n), k) as f64
+                * a.scale(i, k / v) as f64
+                * w.scale(n, k / v) as f64)
+                .abs()
+        })
+        .sum::<f64>()
+        * tsf.abs() as f64
+}
+
+/// Checks (f32 output and cache) the documented bound: FP4 block sums are exact, so
+/// `|fast − exact| ≤ (Kb + 2) · 2^-24 · Σ|block terms| + ulp`; MXFP8 also rounds inside a block:
+/// `≤ (K + Kb + 2) · 2^-24 · Σ|terms| + ulp`.
 fn check_bound(s: &Setup, tsf: f32, fast: &(Vec<f32>, Vec<f32>), exact: &(Vec<f32>, Vec<f32>)) {
-    let kb = s.a.as_ref().k_blocks() as f64;
+    let fp4 = s.a.as_ref().format().is_fp4();
+    let kb = s.a.as_ref().k_blocks() as f64 + if fp4 { 0.0 } else { s.a.k() as f64 };
     let u = 2f64.powi(-24);
     let check = |got: f32, want: f32, i: usize, n: usize| {
         if want.is_nan() {
             assert!(got.is_nan(), "row {i} col {n}: NaN expected, got {got}");
             return;
         }
-        let bound = (kb + 2.0) * u * abs_block_sum(s, i, n, tsf) + want.abs() as f64 * u + 1e-38;
+        let sum = if fp4 { abs_block_sum(s, i, n, tsf) } else { abs_term_sum(s, i, n, tsf) };
+        let bound = (kb + 2.0) * u * sum + want.abs() as f64 * u + 1e-38;
         let diff = (got as f64 - want as f64).abs();
         assert!(diff <= bound, "row {i} col {n}: fast {got} exact {want} diff {diff} > bound {bound}");
     };

@@ -1,0 +1,286 @@
+//! Fast FP4 fused QKV: throughput against baselines measured in the same run.
+//!
+//! `cargo bench --bench qkv_fp4` (filter with e.g. `-- llama/m1`). Group names say what one
+//! "element" is: `flop` groups count 2·M·N·K FLOP, `bytes` groups count weight + scale bytes.
+//!
+//! Baselines: the `gemm` crate's f32 GEMM on the same (M, N, K) with pre-dequantized operands;
+//! a plain read of the same FP4 weight + scale bytes; the crate's scalar reference (M = 1).
+
+use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main, measurement::WallTime};
+use paged_qkv::fast::{matmul_fp4_packed, qkv_fp4_ragged_packed};
+use paged_qkv::formats::quantize::{amax, dequantize, nvfp4_global_scale, quantize};
+use paged_qkv::formats::{BlockFormat, QuantizedMatrix};
+use paged_qkv::{
+    Accumulation, CacheShape, Exec, KvWrite, PackedWeights, PageTable, PagedKvCache, QkvFp4Args, QkvFp4PackedArgs, bf16,
+    reference,
+};
+use std::hint::black_box;
+use std::time::Duration;
+
+struct Model {
+    name: &'static str,
+    k: usize,
+    hq: usize,
+    hkv: usize,
+    hd: usize,
+}
+
+const LLAMA: Model = Model { name: "llama3-8b", k: 4096, hq: 32, hkv: 8, hd: 128 };
+const QWEN: Model = Model { name: "qwen2.5-0.5b", k: 896, hq: 14, hkv: 2, hd: 64 };
+
+impl Model {
+    fn n(&self) -> usize {
+        (self.hq + 2 * self.hkv) * self.hd
+    }
+    fn q_dim(&self) -> usize {
+        self.hq * self.hd
+    }
+}
+
+fn random(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
+        })
+        .collect()
+}
+
+fn quant(format: BlockFormat, x: &[f32], rows: usize, k: usize) -> QuantizedMatrix {
+    quantize(format, x, rows, k, nvfp4_global_scale(amax(x))).unwrap()
+}
+
+fn pool(threads: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap()
+}
+
+/// A paged bf16 cache and page table for `m` new tokens in one sequence.
+struct Cache {
+    cache: PagedKvCache<bf16>,
+    lookup: Vec<u32>,
+    lens: [u32; 1],
+}
+
+fn cache_for(model: &Model, m: usize) -> Cache {
+    let pages = m.div_ceil(128) + 1;
+    let shape = CacheShape::mha(pages + 1, 1, 128, model.hkv, model.hd).unwrap();
+    Cache { cache: PagedKvCache::zeros(shape), lookup: (0..pages as u32).collect(), lens: [0] }
+}
+
+fn fused(
+    a: &QuantizedMatrix,
+    w: &PackedWeights,
+    q_dim: usize,
+    out: &mut [bf16],
+    c: &mut Cache,
+    exec: Exec,
+) {
+    let m = a.rows();
+    let args = QkvFp4PackedArgs {
+        hidden_state: a.as_ref(),
+        input_row_offsets: &[0, m as u32],
+        weight: w,
+        tensor_sf: a.tensor_scale() * w_scale(),
+        q_dim,
+    };
+    let table = PageTable::new(&c.lookup, c.lookup.len(), &c.lens).unwrap();
+    let mut kv = KvWrite::new(c.cache.view_mut(), table, 0);
+    qkv_fp4_ragged_packed(&args, out, &mut kv, exec).unwrap();
+}
+
+fn w_scale() -> f32 {
+    1.0
+}
+
+fn plain_read(bytes: &[u8]) -> u64 {
+    let mut acc = [0u64; 4];
+    for c in bytes.chunks_exact(32) {
+        for (i, a) in acc.iter_mut().enumerate() {
+            *a = a.wrapping_add(u64::from_le_bytes(c[i * 8..i * 8 + 8].try_into().unwrap()));
+        }
+    }
+    acc.iter().fold(0, |x, y| x ^ y)
+}
+
+fn plain_read_par(bytes: &[u8], threads: usize) -> u64 {
+    if threads == 1 {
+        return plain_read(bytes);
+    }
+    let half = bytes.len() / 2 / 32 * 32;
+    let (a, b) = bytes.split_at(half);
+    let (x, y) = rayon::join(|| plain_read(a), || plain_read(b));
+    x ^ y
+}
+
+fn gemm_f32(m: usize, n: usize, k: usize, a: &[f32], w: &[f32], out: &mut [f32], threads: usize) {
+    let par = if threads == 1 { gemm::Parallelism::None } else { gemm::Parallelism::Rayon(threads) };
+    // SAFETY: a is [m, k], w is [n, k] (read as Wᵀ: row stride 1, column stride k), out is [m, n],
+    // all row-major and of exactly those sizes.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.as_ptr(),
+            1,
+            k as isize,
+            w.as_ptr(),
+            k as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}
+
+fn setup_group<'a>(c: &'a mut Criterion, name: &str) -> BenchmarkGroup<'a, WallTime> {
+    let mut g = c.benchmark_group(name);
+    g.sample_size(10).warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(2));
+    g
+}
+
+/// GFLOP/s of the fused op and of `gemm` f32, for each model, M, thread count and format.
+fn compute(c: &mut Criterion) {
+    for model in [LLAMA, QWEN] {
+        let (k, n) = (model.k, model.n());
+        let wf = random(n * k, 1);
+        let wq: Vec<(BlockFormat, PackedWeights, QuantizedMatrix)> = [BlockFormat::Nvfp4, BlockFormat::Mxfp4]
+            .into_iter()
+            .map(|f| {
+                let q = quant(f, &wf, n, k);
+                (f, PackedWeights::new(q.as_ref()), q)
+            })
+            .collect();
+        let w_deq = dequantize(wq[0].2.as_ref(), wq[0].2.tensor_scale());
+        for m in [1usize, 8, 64, 512] {
+            let af = random(m * k, 2 + m as u64);
+            let mut g = setup_group(c, &format!("{}/m{m}/flop", model.name));
+            g.throughput(Throughput::Elements((2 * m * n * k) as u64));
+            for threads in [1usize, 2] {
+                let p = pool(threads);
+                for (f, pw, _) in &wq {
+                    let a = quant(*f, &af, m, k);
+                    let mut out = vec![bf16::ZERO; m * model.q_dim()];
+                    let mut cache = cache_for(&model, m);
+                    g.bench_function(format!("fused_{}_t{threads}", f.name()), |b| {
+                        p.install(|| b.iter(|| fused(&a, pw, model.q_dim(), &mut out, &mut cache, Exec::default())))
+                    });
+                    if *f == BlockFormat::Nvfp4 && m >= 64 {
+                        let mut plain = vec![bf16::ZERO; m * n];
+                        g.bench_function(format!("plain_matrix_{}_t{threads}", f.name()), |b| {
+                            p.install(|| {
+                                b.iter(|| matmul_fp4_packed(a.as_ref(), pw, 1.0, &mut plain, Exec::default()).unwrap())
+                            })
+                        });
+                    }
+                }
+                let a_deq = dequantize(quant(BlockFormat::Nvfp4, &af, m, k).as_ref(), 1.0);
+                let mut out = vec![0f32; m * n];
+                g.bench_function(format!("gemm_f32_t{threads}"), |b| {
+                    p.install(|| b.iter(|| gemm_f32(m, n, k, &a_deq, &w_deq, &mut out, threads)))
+                });
+            }
+            if m == 1 {
+                let (f, _, wq0) = &wq[0];
+                let a = quant(*f, &af, m, k);
+                let mut out = vec![bf16::ZERO; model.q_dim()];
+                let mut cache = cache_for(&model, 1);
+                g.bench_function("reference_sequential_nvfp4_t1", |b| {
+                    b.iter(|| {
+                        let args = QkvFp4Args {
+                            hidden_state: a.as_ref(),
+                            input_row_offsets: &[0, 1],
+                            weight: wq0.as_ref(),
+                            tensor_sf: 1.0,
+                            q_dim: model.q_dim(),
+                        };
+                        let table = PageTable::new(&cache.lookup, cache.lookup.len(), &cache.lens).unwrap();
+                        let mut kv = KvWrite::new(cache.cache.view_mut(), table, 0);
+                        reference::qkv_fp4_ragged(&args, &mut out, &mut kv, Accumulation::Sequential).unwrap()
+                    })
+                });
+            }
+            g.finish();
+        }
+    }
+}
+
+/// M = 1 against a plain read of the same bytes: L3-hot (one layer) and from DRAM (cycling
+/// through enough layers to exceed the last-level cache), and with 1/64 subnormal scales.
+fn decode(c: &mut Criterion) {
+    let model = LLAMA;
+    let (k, n) = (model.k, model.n());
+    let wf = random(n * k, 1);
+    let af = random(k, 9);
+    for f in [BlockFormat::Nvfp4, BlockFormat::Mxfp4] {
+        let q = quant(f, &wf, n, k);
+        let raw_bytes = q.data().len() + q.scales().len();
+        let pw = PackedWeights::new(q.as_ref());
+        let layers = (400 << 20) / raw_bytes + 1; // > the 260 MiB last-level cache reported here
+        let cold: Vec<PackedWeights> = (0..layers).map(|_| pw.clone()).collect();
+        let cold_raw: Vec<Vec<u8>> = (0..layers).map(|_| [q.data(), q.scales()].concat()).collect();
+        let hot_raw = [q.data(), q.scales()].concat();
+        let a = quant(f, &af, 1, k);
+        let mut out = vec![bf16::ZERO; model.q_dim()];
+        let mut cache = cache_for(&model, 1);
+        let mut g = setup_group(c, &format!("{}/decode_{}/bytes", model.name, f.name()));
+        g.throughput(Throughput::Bytes(raw_bytes as u64));
+        for threads in [1usize, 2] {
+            let p = pool(threads);
+            g.bench_function(format!("hot_fused_t{threads}"), |b| {
+                p.install(|| b.iter(|| fused(&a, &pw, model.q_dim(), &mut out, &mut cache, Exec::default())))
+            });
+            g.bench_function(format!("hot_read_t{threads}"), |b| {
+                p.install(|| b.iter(|| black_box(plain_read_par(&hot_raw, threads))))
+            });
+            let mut i = 0;
+            g.bench_function(format!("dram_fused_t{threads}"), |b| {
+                p.install(|| {
+                    b.iter(|| {
+                        i = (i + 1) % layers;
+                        fused(&a, &cold[i], model.q_dim(), &mut out, &mut cache, Exec::default())
+                    })
+                })
+            });
+            g.bench_function(format!("dram_read_t{threads}"), |b| {
+                p.install(|| {
+                    b.iter(|| {
+                        i = (i + 1) % layers;
+                        black_box(plain_read_par(&cold_raw[i], threads))
+                    })
+                })
+            });
+        }
+        if f == BlockFormat::Nvfp4 {
+            // 1 in 64 weight scales subnormal (E4M3 0x01..0x07), the rest as quantized.
+            let lay = q.as_ref().scale_layout();
+            let (data, mut scales, ts) = q.clone().into_parts();
+            for r in 0..n {
+                for kb in (r % 64..lay.k_blocks()).step_by(64) {
+                    scales[lay.offset(r, kb)] = 1 + (kb % 7) as u8;
+                }
+            }
+            let qs = QuantizedMatrix::from_parts(f, n, k, data, scales, ts).unwrap();
+            let pws = PackedWeights::new(qs.as_ref());
+            let p = pool(1);
+            g.bench_function("hot_fused_subnormal_scales_t1", |b| {
+                p.install(|| b.iter(|| fused(&a, &pws, model.q_dim(), &mut out, &mut cache, Exec::default())))
+            });
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(benches, decode, compute);
+criterion_main!(benches);
