@@ -11,8 +11,8 @@ use paged_qkv::fast::{matmul_fp4_packed, qkv_fp4_ragged_packed};
 use paged_qkv::formats::quantize::{amax, dequantize, nvfp4_global_scale, quantize};
 use paged_qkv::formats::{BlockFormat, QuantizedMatrix};
 use paged_qkv::{
-    Accumulation, CacheShape, Exec, KvWrite, PackedWeights, PageTable, PagedKvCache, QkvFp4Args, QkvFp4PackedArgs, bf16,
-    reference,
+    Accumulation, CacheShape, Exec, Isa, KvWrite, PackedWeights, PageTable, PagedKvCache, QkvFp4Args, QkvFp4PackedArgs,
+    bf16, reference,
 };
 use std::hint::black_box;
 use std::time::Duration;
@@ -70,14 +70,7 @@ fn cache_for(model: &Model, m: usize) -> Cache {
     Cache { cache: PagedKvCache::zeros(shape), lookup: (0..pages as u32).collect(), lens: [0] }
 }
 
-fn fused(
-    a: &QuantizedMatrix,
-    w: &PackedWeights,
-    q_dim: usize,
-    out: &mut [bf16],
-    c: &mut Cache,
-    exec: Exec,
-) {
+fn fused(a: &QuantizedMatrix, w: &PackedWeights, q_dim: usize, out: &mut [bf16], c: &mut Cache, exec: Exec) {
     let m = a.rows();
     let args = QkvFp4PackedArgs {
         hidden_state: a.as_ref(),
@@ -93,6 +86,12 @@ fn fused(
 
 fn w_scale() -> f32 {
     1.0
+}
+
+/// The fast paths' execution: best ISA, or the one named by `PAGED_QKV_BENCH_ISA` (bench-only).
+fn exec() -> Exec {
+    let isa = std::env::var("PAGED_QKV_BENCH_ISA").ok().and_then(|s| Isa::from_name(&s));
+    Exec { isa, ..Exec::default() }
 }
 
 fn plain_read(bytes: &[u8]) -> u64 {
@@ -174,14 +173,12 @@ fn compute(c: &mut Criterion) {
                     let mut out = vec![bf16::ZERO; m * model.q_dim()];
                     let mut cache = cache_for(&model, m);
                     g.bench_function(format!("fused_{}_t{threads}", f.name()), |b| {
-                        p.install(|| b.iter(|| fused(&a, pw, model.q_dim(), &mut out, &mut cache, Exec::default())))
+                        p.install(|| b.iter(|| fused(&a, pw, model.q_dim(), &mut out, &mut cache, exec())))
                     });
                     if *f == BlockFormat::Nvfp4 && m >= 64 {
                         let mut plain = vec![bf16::ZERO; m * n];
                         g.bench_function(format!("plain_matrix_{}_t{threads}", f.name()), |b| {
-                            p.install(|| {
-                                b.iter(|| matmul_fp4_packed(a.as_ref(), pw, 1.0, &mut plain, Exec::default()).unwrap())
-                            })
+                            p.install(|| b.iter(|| matmul_fp4_packed(a.as_ref(), pw, 1.0, &mut plain, exec()).unwrap()))
                         });
                     }
                 }
@@ -239,7 +236,7 @@ fn decode(c: &mut Criterion) {
         for threads in [1usize, 2] {
             let p = pool(threads);
             g.bench_function(format!("hot_fused_t{threads}"), |b| {
-                p.install(|| b.iter(|| fused(&a, &pw, model.q_dim(), &mut out, &mut cache, Exec::default())))
+                p.install(|| b.iter(|| fused(&a, &pw, model.q_dim(), &mut out, &mut cache, exec())))
             });
             g.bench_function(format!("hot_read_t{threads}"), |b| {
                 p.install(|| b.iter(|| black_box(plain_read_par(&hot_raw, threads))))
@@ -249,7 +246,7 @@ fn decode(c: &mut Criterion) {
                 p.install(|| {
                     b.iter(|| {
                         i = (i + 1) % layers;
-                        fused(&a, &cold[i], model.q_dim(), &mut out, &mut cache, Exec::default())
+                        fused(&a, &cold[i], model.q_dim(), &mut out, &mut cache, exec())
                     })
                 })
             });
@@ -275,7 +272,7 @@ fn decode(c: &mut Criterion) {
             let pws = PackedWeights::new(qs.as_ref());
             let p = pool(1);
             g.bench_function("hot_fused_subnormal_scales_t1", |b| {
-                p.install(|| b.iter(|| fused(&a, &pws, model.q_dim(), &mut out, &mut cache, Exec::default())))
+                p.install(|| b.iter(|| fused(&a, &pws, model.q_dim(), &mut out, &mut cache, exec())))
             });
         }
         g.finish();

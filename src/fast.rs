@@ -187,7 +187,8 @@ pub fn matmul_fp4_packed<O: Element>(
     let mut no_cache: [O; 0] = [];
     let plan = crate::cache::SlotPlan { rows: vec![None; m] };
     let shape = crate::cache::CacheShape::mha(1, 1, 1, 1, 1)?;
-    let epi = Epilogue::<O, O>::new(output, &mut no_cache, shape, 0, &plan, n, n, acts.nan_row(), weight.nan_col(), mult);
+    let epi =
+        Epilogue::<O, O>::new(output, &mut no_cache, shape, 0, &plan, n, n, acts.nan_row(), weight.nan_col(), mult);
     run(weight, &acts, m, token, exec.par == Par::Rayon, &epi, Tiling::choose(m, 128));
     Ok(())
 }

@@ -16,7 +16,11 @@ fn read_u32(p: &[i8], i: usize) -> u32 {
 /// # Safety
 /// NEON must be available; `g.check(rows)` must have passed.
 #[target_feature(enable = "neon")]
-pub(super) unsafe fn fp4_group_neon<const R: usize>(g: &Fp4Group<'_>, rows: &Fp4Rows<'_>, out: &mut [[f32; GROUP]; MR]) {
+pub(super) unsafe fn fp4_group_neon<const R: usize>(
+    g: &Fp4Group<'_>,
+    rows: &Fp4Rows<'_>,
+    out: &mut [[f32; GROUP]; MR],
+) {
     // SAFETY: E2M1_DOUBLED holds 16 bytes.
     let lut = unsafe { vld1q_s8(E2M1_DOUBLED.as_ptr()) };
     let mask = vdupq_n_u8(0x0F);

@@ -21,7 +21,11 @@ fn read_u32(p: &[i8], i: usize) -> i32 {
 /// # Safety
 /// AVX2 and FMA must be available; `g.check(rows)` must have passed.
 #[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn fp4_group_avx2<const R: usize>(g: &Fp4Group<'_>, rows: &Fp4Rows<'_>, out: &mut [[f32; GROUP]; MR]) {
+pub(super) unsafe fn fp4_group_avx2<const R: usize>(
+    g: &Fp4Group<'_>,
+    rows: &Fp4Rows<'_>,
+    out: &mut [[f32; GROUP]; MR],
+) {
     let lut128 = _mm_loadu_si128_safe(&LUT);
     let lut = _mm256_broadcastsi128_si256(lut128);
     let mask = _mm256_set1_epi8(0x0F);
@@ -98,7 +102,11 @@ fn _mm_loadu_si128_safe(x: &[i8; 16]) -> __m128i {
 /// # Safety
 /// AVX-512 F, BW and VNNI must be available; `g.check(rows)` must have passed.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-pub(super) unsafe fn fp4_group_avx512<const R: usize>(g: &Fp4Group<'_>, rows: &Fp4Rows<'_>, out: &mut [[f32; GROUP]; MR]) {
+pub(super) unsafe fn fp4_group_avx512<const R: usize>(
+    g: &Fp4Group<'_>,
+    rows: &Fp4Rows<'_>,
+    out: &mut [[f32; GROUP]; MR],
+) {
     let lut = _mm512_broadcast_i32x4(_mm_loadu_si128_safe(&LUT));
     let mask = _mm512_set1_epi8(0x0F);
     debug_assert_eq!(rows.count(), R);
