@@ -9,7 +9,7 @@
 //! `≤ (K + Kb + 2) · 2^-24 · Σ_k |term|`. For MX scales this holds while every scale product
 //! lies in f32's normal range (outside it the product flushes to 0 or overflows to ∞).
 
-use crate::cache::KvWrite;
+use crate::cache::{KvWrite, SlotPlan};
 use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::formats::QuantizedRef;
@@ -75,7 +75,7 @@ pub fn qkv_fp4_ragged<O: Element, C: Element>(
 ) -> Result<()> {
     let token = IsaToken::new(exec.isa)?;
     let w = args.weight;
-    validate_fp4(
+    let plan = validate_fp4(
         args.hidden_state,
         args.input_row_offsets,
         (w.format(), w.rows(), w.k()),
@@ -92,7 +92,8 @@ pub fn qkv_fp4_ragged<O: Element, C: Element>(
         tensor_sf: args.tensor_sf,
         q_dim: args.q_dim,
     };
-    run_packed(&packed_args, output, kv, exec, token)
+    execute(&packed_args, output, kv, exec, token, &plan);
+    Ok(())
 }
 
 /// The fast fused QKV with a prepacked weight: validates everything, then runs the kernels and
@@ -105,16 +106,6 @@ pub fn qkv_fp4_ragged_packed<O: Element, C: Element>(
     exec: Exec,
 ) -> Result<()> {
     let token = IsaToken::new(exec.isa)?;
-    run_packed(args, output, kv, exec, token)
-}
-
-fn run_packed<O: Element, C: Element>(
-    args: &QkvFp4PackedArgs<'_>,
-    output: &mut [O],
-    kv: &mut KvWrite<'_, C>,
-    exec: Exec,
-    token: IsaToken,
-) -> Result<()> {
     let w = args.weight;
     let plan = validate_fp4(
         args.hidden_state,
@@ -125,16 +116,27 @@ fn run_packed<O: Element, C: Element>(
         output.len(),
         kv,
     )?;
+    execute(args, output, kv, exec, token, &plan);
+    Ok(())
+}
+
+/// Runs a validated call (nothing here can fail).
+fn execute<O: Element, C: Element>(
+    args: &QkvFp4PackedArgs<'_>,
+    output: &mut [O],
+    kv: &mut KvWrite<'_, C>,
+    exec: Exec,
+    token: IsaToken,
+    plan: &SlotPlan,
+) {
+    let w = args.weight;
     let m = args.hidden_state.rows();
     if m == 0 {
-        return Ok(());
+        return;
     }
     let acts = Acts::prepare(args.hidden_state);
-    // FP4 block sums are of doubled E2M1 values on both sides: 4× the products.
+    // FP4 block sums are of doubled E2M1 values on both sides: 4× the products (exact scaling).
     let mult = if w.format().is_fp4() { args.tensor_sf * 0.25 } else { args.tensor_sf };
-    if !mult.is_finite() {
-        return Err(Error::NonFinite { arg: "tensor_sf", index: 0 });
-    }
     let shape = kv.cache.shape();
     let layer = kv.layer_idx;
     let epi = Epilogue::new(
@@ -142,7 +144,7 @@ fn run_packed<O: Element, C: Element>(
         kv.cache.data_mut(),
         shape,
         layer,
-        &plan,
+        plan,
         args.q_dim,
         w.rows(),
         acts.nan_row(),
@@ -150,7 +152,6 @@ fn run_packed<O: Element, C: Element>(
         mult,
     );
     run(w, &acts, m, token, exec.par == Par::Rayon, &epi, Tiling::choose(m, shape.head_size()));
-    Ok(())
 }
 
 /// The same kernels writing a plain row-major `[M, N]` matrix

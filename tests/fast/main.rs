@@ -132,22 +132,6 @@ fn check_bound(s: &Setup, tsf: f32, fast: &(Vec<f32>, Vec<f32>), exact: &(Vec<f3
     }
 }
 
-pub fn kv_coord(s: &Setup, b: usize, t: usize, n: usize) -> Coord {
-    let p = s.shape.page_size();
-    let pos = s.pages.cache_lengths[b] as usize + t;
-    let block = s.pages.lookup[b * s.pages.cols + pos / p] as usize;
-    let j = n - s.q_dim;
-    let (hd, kvw) = (s.shape.head_size(), s.shape.kv_width());
-    let (kv, h, d) = if s.shape.is_mla() {
-        (0, 0, j)
-    } else if j < kvw {
-        (0, j / hd, j % hd)
-    } else {
-        (1, (j - kvw) / hd, (j - kvw) % hd)
-    };
-    (block, kv, s.layer, pos % p, h, d)
-}
-
 fn config(rng: &mut Rng, format: BlockFormat, mla: bool) -> Config {
     let lens: Vec<usize> = (0..rng.range(1, 4)).map(|_| rng.range(0, 7)).collect();
     Config {

@@ -128,3 +128,13 @@ pub fn assert_cache_writes<T: Element>(shape: CacheShape, before: &[T], after: &
         assert_eq!(g, e, "cache element {:?} differs", shape.coords(i));
     }
 }
+
+/// Significant bits of an element type.
+pub fn prec<T: Element>() -> u32 {
+    match T::DTYPE {
+        paged_qkv::DType::F32 => 24,
+        paged_qkv::DType::BF16 => 8,
+        paged_qkv::DType::F16 => 11,
+        paged_qkv::DType::F8E4M3 => 4,
+    }
+}

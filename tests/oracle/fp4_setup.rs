@@ -109,3 +109,20 @@ pub fn exact_value(
     assert!(tensor_sf > 0.0 && tensor_sf.is_normal());
     Some((s * tm, emin + te))
 }
+
+/// The cache coordinate of column `n` of row `(b, t)`.
+pub fn kv_coord(s: &Setup, b: usize, t: usize, n: usize) -> Coord {
+    let p = s.shape.page_size();
+    let pos = s.pages.cache_lengths[b] as usize + t;
+    let block = s.pages.lookup[b * s.pages.cols + pos / p] as usize;
+    let j = n - s.q_dim;
+    let (hd, kvw) = (s.shape.head_size(), s.shape.kv_width());
+    let (kv, h, d) = if s.shape.is_mla() {
+        (0, 0, j)
+    } else if j < kvw {
+        (0, j / hd, j % hd)
+    } else {
+        (1, (j - kvw) / hd, (j - kvw) % hd)
+    };
+    (block, kv, s.layer, pos % p, h, d)
+}

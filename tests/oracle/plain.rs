@@ -32,15 +32,6 @@ fn exact_dot<T: Element>(x: &[T], w: &[T], bias: Option<T>) -> i128 {
     s
 }
 
-fn prec<T: Element>() -> u32 {
-    match T::DTYPE {
-        paged_qkv::DType::F32 => 24,
-        paged_qkv::DType::BF16 => 8,
-        paged_qkv::DType::F16 => 11,
-        paged_qkv::DType::F8E4M3 => 4,
-    }
-}
-
 struct Bshd {
     batch: usize,
     seq: usize,

@@ -7,15 +7,6 @@ use paged_qkv::formats::{BlockFormat, QuantizedMatrix, QuantizedRef};
 use paged_qkv::reference::qkv_fp4_ragged;
 use paged_qkv::{Accumulation, CacheShape, E4M3, Element, KvWrite, PageTable, PagedKvCache, QkvFp4Args, bf16, f16};
 
-fn prec<T: Element>() -> u32 {
-    match T::DTYPE {
-        paged_qkv::DType::F32 => 24,
-        paged_qkv::DType::BF16 => 8,
-        paged_qkv::DType::F16 => 11,
-        paged_qkv::DType::F8E4M3 => 4,
-    }
-}
-
 pub fn expected<T: Element>(v: Option<(i128, i32)>) -> T {
     match v {
         None => T::from_f32(f32::NAN),
@@ -34,23 +25,6 @@ fn naive_max(a: QuantizedRef<'_>, w: QuantizedRef<'_>, m: usize, n: usize, tenso
         acc += ((x * y) * a.scale(m, k / v)) * w.scale(n, k / v);
     }
     acc * tensor_sf
-}
-
-/// The cache coordinate of column `n` of row `(b, t)`.
-pub fn kv_coord(s: &Setup, b: usize, t: usize, n: usize) -> Coord {
-    let p = s.shape.page_size();
-    let pos = s.pages.cache_lengths[b] as usize + t;
-    let block = s.pages.lookup[b * s.pages.cols + pos / p] as usize;
-    let j = n - s.q_dim;
-    let (hd, kvw) = (s.shape.head_size(), s.shape.kv_width());
-    let (kv, h, d) = if s.shape.is_mla() {
-        (0, 0, j)
-    } else if j < kvw {
-        (0, j / hd, j % hd)
-    } else {
-        (1, (j - kvw) / hd, (j - kvw) % hd)
-    };
-    (block, kv, s.layer, pos % p, h, d)
 }
 
 /// Runs the oracle on `s` with output `O` and cache `C`, returning (output, cache before, cache after).
