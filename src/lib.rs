@@ -17,6 +17,7 @@
 #![warn(missing_docs)]
 
 pub mod cache;
+pub mod case;
 pub mod element;
 pub mod error;
 pub mod fast;

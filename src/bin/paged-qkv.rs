@@ -1,116 +1,594 @@
-//! `paged-qkv`: the crate's demo. Quantizes a Llama-3-8B-shaped QKV layer (random weights) to
-//! NVFP4, runs the reference fused QKV of a ragged prefill batch into a paged cache, and prints
-//! what it did.
+//! `paged-qkv`: the demo, a runner and checker for case files, a case generator and a quick bench.
+//! A thin layer over the library; `paged-qkv --help` lists the subcommands.
 
+use clap::{Parser, Subcommand, ValueEnum};
+use paged_qkv::case::{self, Case, Mode, Op, Tensor, Tolerance, ULP_BUCKETS};
+use paged_qkv::fast::{self, qkv_fp4_ragged_packed};
 use paged_qkv::formats::quantize::{amax, nvfp4_global_scale, quantize};
-use paged_qkv::reference::qkv_fp4_ragged;
-use paged_qkv::{Accumulation, BlockFormat, CacheShape, KvWrite, PageTable, PagedKvCache, QkvFp4Args, bf16};
+use paged_qkv::formats::scale_layout::ScaleLayout;
+use paged_qkv::formats::{BlockFormat, QuantizedMatrix};
+use paged_qkv::{
+    Accumulation, CacheShape, Exec, Isa, KvWrite, PackedWeights, PageTable, PagedKvCache, QkvFp4Args, QkvFp4PackedArgs,
+    RopeMath, RopeRaggedArgs, bf16, reference,
+};
+use rayon::prelude::*;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
 use std::time::Instant;
 
-/// Llama-3-8B attention shapes.
-const HIDDEN: usize = 4096;
-const Q_HEADS: usize = 32;
-const KV_HEADS: usize = 8;
-const HEAD: usize = 128;
-const PAGE: usize = 128;
+#[derive(Parser)]
+#[command(
+    name = "paged-qkv",
+    version,
+    about = "Fused QKV + paged KV cache + RoPE on the CPU, and an oracle for GPU kernels.\nWith no subcommand: the demo."
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+}
 
-struct Rng(u64);
-impl Rng {
-    fn normal(&mut self) -> f32 {
-        let mut s = 0.0;
-        for _ in 0..4 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            s += (self.0 >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+#[derive(Clone, Copy, ValueEnum)]
+enum ModeArg {
+    Fast,
+    Sequential,
+    Exact,
+}
+
+impl From<ModeArg> for Mode {
+    fn from(m: ModeArg) -> Mode {
+        match m {
+            ModeArg::Fast => Mode::Fast,
+            ModeArg::Sequential => Mode::Sequential,
+            ModeArg::Exact => Mode::Exact,
         }
-        s * 1.732
     }
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let q_dim = Q_HEADS * HEAD;
-    let n = q_dim + 2 * KV_HEADS * HEAD;
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
-    println!(
-        "paged-qkv demo: Llama-3-8B QKV layer (K = {HIDDEN}, N = {n}: {Q_HEADS} Q + 2 x {KV_HEADS} KV heads of {HEAD})"
-    );
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the op of CASE and write OUT with `output` and the updated `kv_blocks`.
+    Run {
+        /// The case file (safetensors).
+        case: PathBuf,
+        /// Where to write the result.
+        #[arg(short = 'o', long = "out")]
+        out: PathBuf,
+        /// fast: the SIMD path where one exists (qkv_fp4_ragged), else the exact reference.
+        #[arg(long, value_enum, default_value = "fast")]
+        mode: ModeArg,
+        /// Worker threads (default: all cores).
+        #[arg(long)]
+        threads: Option<usize>,
+    },
+    /// Compare a GPU kernel's `output` and `kv_blocks` with the reference. Exit 0: within
+    /// tolerance, 1: not, 2: bad input.
+    Check {
+        /// The case file (the kernel's inputs).
+        case: PathBuf,
+        /// The kernel's results (`output`, `kv_blocks`).
+        #[arg(long)]
+        expected: PathBuf,
+        /// Absolute tolerance.
+        #[arg(long, default_value_t = 0.0)]
+        atol: f64,
+        /// Relative tolerance.
+        #[arg(long, default_value_t = 0.0)]
+        rtol: f64,
+        /// ULPs in the tensor's dtype (an element passes within atol + rtol·|ref| or within this).
+        #[arg(long, default_value_t = 2)]
+        ulps: u64,
+        /// How the reference accumulates.
+        #[arg(long, value_enum, default_value = "exact")]
+        mode: ModeArg,
+    },
+    /// Write a realistic random case.
+    MakeCase {
+        /// qkv_fp4_ragged, qkv_ragged, qkv_bshd, rope_bshd, rope_ragged, kv_store_ragged, kv_store_bshd.
+        #[arg(long)]
+        op: String,
+        /// llama3-8b, qwen2.5-0.5b or tiny.
+        #[arg(long, default_value = "tiny")]
+        model: String,
+        /// Sequences.
+        #[arg(long, default_value_t = 3)]
+        batch: usize,
+        /// Random seed.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Block format for qkv_fp4_ragged: nvfp4, mxfp4, mxfp8.
+        #[arg(long, default_value = "nvfp4")]
+        format: String,
+        /// Where to write the case.
+        #[arg(short = 'o', long = "out")]
+        out: PathBuf,
+    },
+    /// The crate's main job on a Llama-3-8B-shaped layer: prefill, then 32 decode steps.
+    Demo,
+    /// A quick table of the fast path's throughput, with the weight-read bandwidth as yardstick.
+    Bench {
+        /// llama3-8b, qwen2.5-0.5b or tiny.
+        #[arg(long, default_value = "llama3-8b")]
+        model: String,
+        /// Worker threads (default: all cores).
+        #[arg(long)]
+        threads: Option<usize>,
+    },
+}
 
-    let t = Instant::now();
-    let w: Vec<f32> = (0..n * HIDDEN).map(|_| rng.normal() * 0.02).collect();
-    let wq = quantize(BlockFormat::Nvfp4, &w, n, HIDDEN, nvfp4_global_scale(amax(&w)))?;
-    println!(
-        "  quantized the weight to NVFP4: {} data + {} scale bytes ({:.1} MB, f32 was {:.1} MB) in {:.2?}",
-        wq.data().len(),
-        wq.scales().len(),
-        (wq.data().len() + wq.scales().len()) as f64 / 1e6,
-        (w.len() * 4) as f64 / 1e6,
-        t.elapsed()
-    );
+/// A failure to report with exit status 2.
+struct Bad(String);
 
-    // A ragged prefill of 4 prompts, two of which continue earlier context.
-    let lens = [5usize, 3, 7, 1];
-    let cache_lengths = [0u32, 130, 0, 17];
-    let m: usize = lens.iter().sum();
-    let x: Vec<bf16> = (0..m * HIDDEN).map(|_| bf16::from_f32(rng.normal())).collect();
-    let xq = quantize(BlockFormat::Nvfp4, &x, m, HIDDEN, nvfp4_global_scale(amax(&x)))?;
-    let mut offsets = vec![0u32];
-    for l in lens {
-        offsets.push(offsets.last().copied().unwrap_or(0) + l as u32);
+impl<E: std::fmt::Display> From<E> for Bad {
+    fn from(e: E) -> Self {
+        Bad(e.to_string())
     }
+}
 
-    // Pages: each sequence gets the pages it needs, scattered over the cache.
-    let cols = 4;
-    let num_blocks = 16;
-    let mut lookup = vec![(num_blocks - 1) as u32; lens.len() * cols];
+fn read(path: &PathBuf) -> Result<Vec<u8>, Bad> {
+    std::fs::read(path).map_err(|e| Bad(format!("{}: {e}", path.display())))
+}
+
+fn pool(threads: Option<usize>) -> Result<rayon::ThreadPool, Bad> {
+    let mut b = rayon::ThreadPoolBuilder::new();
+    if let Some(n) = threads {
+        if n == 0 {
+            return Err(Bad("--threads must be at least 1".into()));
+        }
+        b = b.num_threads(n);
+    }
+    Ok(b.build()?)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let res = match cli.cmd.unwrap_or(Cmd::Demo) {
+        Cmd::Run { case, out, mode, threads } => run(&case, &out, mode.into(), threads).map(|_| 0),
+        Cmd::Check { case, expected, atol, rtol, ulps, mode } => {
+            check(&case, &expected, Tolerance { atol, rtol, ulps }, mode.into())
+        }
+        Cmd::MakeCase { op, model, batch, seed, format, out } => {
+            make_case(&op, &model, batch, seed, &format, &out).map(|_| 0)
+        }
+        Cmd::Demo => demo().map(|_| 0),
+        Cmd::Bench { model, threads } => bench(&model, threads).map(|_| 0),
+    };
+    match res {
+        Ok(code) => ExitCode::from(code),
+        Err(Bad(msg)) => {
+            eprintln!("error: {msg}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(case_path: &PathBuf, out: &PathBuf, mode: Mode, threads: Option<usize>) -> Result<(), Bad> {
+    let c = Case::from_bytes(&read(case_path)?)?;
+    let (o, kv) = pool(threads)?.install(|| c.run(mode, case::exec(threads)))?;
+    let mut t = BTreeMap::new();
+    if let Some(o) = o {
+        t.insert("output".to_string(), o);
+    }
+    t.insert("kv_blocks".to_string(), kv);
+    let meta = BTreeMap::from([("op".to_string(), c.op.name().to_string())]);
+    std::fs::write(out, case::save_tensors(&t, Some(meta))?).map_err(|e| Bad(format!("{}: {e}", out.display())))?;
+    eprintln!(
+        "{}: wrote {} ({})",
+        c.op.name(),
+        out.display(),
+        if mode == Mode::Fast && c.op == Op::QkvFp4Ragged { "fast path" } else { "reference" }
+    );
+    Ok(())
+}
+
+fn check(case_path: &PathBuf, expected: &PathBuf, tol: Tolerance, mode: Mode) -> Result<u8, Bad> {
+    let c = Case::from_bytes(&read(case_path)?)?;
+    let exp = case::load_tensors(&read(expected)?)?;
+    let (ref_out, ref_kv) = c.run(mode, Exec::default())?;
+    let (out_mask, kv_mask) = c.written()?;
+    let mut pass = true;
+    println!(
+        "paged-qkv check: op {}, reference mode {:?}, tolerance atol {} rtol {} ulps {}",
+        c.op.name(),
+        mode,
+        tol.atol,
+        tol.rtol,
+        tol.ulps
+    );
+    let mut report =
+        |name: &str, got: &Tensor, want: &Tensor, mask: &[bool], input: Option<&Tensor>| -> Result<(), Bad> {
+            let r = case::compare(name, got, want, mask, input, tol)?;
+            let namer = |i: usize| if name == "output" { c.name_output(i) } else { c.name_cache(i) };
+            println!("{name}: {} elements compared ({:?})", r.compared, got.dtype);
+            let at = |(v, i): (f64, usize)| if v > 0.0 { format!("{v:.3e} at {}", namer(i)) } else { "0".into() };
+            println!("  max abs error {}", at(r.max_abs));
+            println!("  max rel error {}", at(r.max_rel));
+            let mut h = String::new();
+            let mut lo = 0;
+            for (i, &b) in ULP_BUCKETS.iter().enumerate() {
+                let label = if b == lo { format!("{b}") } else { format!("{lo}-{b}") };
+                h += &format!("{label}: {}  ", r.ulp_hist[i]);
+                lo = b + 1;
+            }
+            h += &format!(">{}: {}  NaN mismatch: {}", ULP_BUCKETS[6], r.ulp_hist[7], r.ulp_hist[8]);
+            println!("  ULP histogram  {h}");
+            println!("  outside tolerance: {}", r.failures);
+            for &(i, g, w, u) in &r.worst {
+                println!(
+                    "    {} got {g:e}, reference {w:e}, {} ulp",
+                    namer(i),
+                    if u == u64::MAX { "NaN".into() } else { u.to_string() }
+                );
+            }
+            if !r.corrupted.is_empty() {
+                println!(
+                    "  CORRUPTION: {} elements outside the written slots changed, e.g. {}",
+                    r.corrupted.len(),
+                    namer(r.corrupted[0])
+                );
+            }
+            if r.failures > 0 || !r.corrupted.is_empty() {
+                pass = false;
+            }
+            Ok(())
+        };
+    if let Some(ro) = &ref_out {
+        let got = exp.get("output").ok_or_else(|| Bad(format!("{}: `output`: missing tensor", expected.display())))?;
+        report("output", got, ro, &out_mask, None)?;
+    }
+    let got =
+        exp.get("kv_blocks").ok_or_else(|| Bad(format!("{}: `kv_blocks`: missing tensor", expected.display())))?;
+    report("kv_blocks", got, &ref_kv, &kv_mask, Some(c.tensor("kv_blocks")?))?;
+    println!("verdict: {}", if pass { "PASS" } else { "FAIL" });
+    Ok(if pass { 0 } else { 1 })
+}
+
+fn make_case(op: &str, model: &str, batch: usize, seed: u64, format: &str, out: &PathBuf) -> Result<(), Bad> {
+    let op = Op::from_name(op)
+        .ok_or_else(|| Bad(format!("--op: expected one of {}, found `{op}`", Op::ALL.map(Op::name).join(", "))))?;
+    let m = case::model(model)
+        .ok_or_else(|| Bad(format!("--model: expected llama3-8b, qwen2.5-0.5b or tiny, found `{model}`")))?;
+    let f = BlockFormat::from_name(format)
+        .ok_or_else(|| Bad(format!("--format: expected nvfp4, mxfp4 or mxfp8, found `{format}`")))?;
+    let c = case::make(op, m, batch, seed, f)?;
+    std::fs::write(out, c.to_bytes()?).map_err(|e| Bad(format!("{}: {e}", out.display())))?;
+    eprintln!("wrote {} ({} on {}, batch {batch})", out.display(), op.name(), m.name);
+    Ok(())
+}
+
+/// A one-line progress bar on stderr.
+fn progress(label: &str, done: usize, total: usize) {
+    let w = 30;
+    let filled = w * done / total.max(1);
+    eprint!("\r  {label} [{}{}] {done}/{total}", "#".repeat(filled), " ".repeat(w - filled));
+    if done == total {
+        eprintln!();
+    }
+    let _ = std::io::stderr().flush();
+}
+
+/// Rows `rows` of a quantized matrix as a new matrix (data and re-interleaved scales).
+fn take_rows(q: &QuantizedMatrix, rows: &[usize]) -> Result<QuantizedMatrix, Bad> {
+    let (f, k) = (q.format(), q.k());
+    let rb = f.row_bytes(k);
+    let lay = q.as_ref().scale_layout();
+    let plain = lay.deinterleave(q.scales())?;
+    let data: Vec<u8> = rows.iter().flat_map(|&r| q.data()[r * rb..(r + 1) * rb].to_vec()).collect();
+    let kb = lay.k_blocks();
+    let sc: Vec<u8> = rows.iter().flat_map(|&r| plain[r * kb..(r + 1) * kb].to_vec()).collect();
+    Ok(QuantizedMatrix::from_parts(
+        f,
+        rows.len(),
+        k,
+        data,
+        ScaleLayout::new(rows.len(), kb).interleave(&sc)?,
+        q.tensor_scale(),
+    )?)
+}
+
+struct Phase {
+    name: &'static str,
+    tokens: usize,
+    secs: f64,
+    flop: f64,
+    ref_per_token: f64,
+    max_ulp: u64,
+    max_abs: f32,
+    pages: usize,
+}
+
+fn demo() -> Result<(), Bad> {
+    let m = case::model("llama3-8b").ok_or_else(|| Bad("model".into()))?;
+    let (k, q_dim, n) = (m.hidden, m.q_heads * m.head, (m.q_heads + 2 * m.kv_heads) * m.head);
+    println!(
+        "paged-qkv demo — Llama-3-8B attention prologue on {} ({} threads)",
+        Isa::best().name(),
+        rayon::current_num_threads()
+    );
+    let t0 = Instant::now();
+    let mut s = 0x2545_F491_4F6C_DD1Du64;
+    let mut rnd = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    };
+    let w: Vec<f32> = (0..n * k).map(|_| rnd() * 0.05).collect();
+    let wq = quantize(BlockFormat::Nvfp4, &w, n, k, nvfp4_global_scale(amax(&w)))?;
+    let packed = PackedWeights::new(wq.as_ref());
+    println!(
+        "  layer: K {k}, N {n} (32 Q + 2 x 8 KV heads of 128), NVFP4 {:.1} MB, quantized + packed in {:.2?}",
+        packed.size_bytes() as f64 / 1e6,
+        t0.elapsed()
+    );
+
+    let prompts = [211usize, 64, 130, 17];
+    let steps = 32;
+    let page = m.page;
+    let pages: Vec<usize> = prompts.iter().map(|&p| (p + steps).div_ceil(page)).collect();
+    let cols = pages.iter().copied().max().unwrap_or(1);
+    let num_blocks = pages.iter().sum::<usize>() + 1;
+    let mut lookup = vec![num_blocks as u32 - 1; prompts.len() * cols];
     let mut next = 0u32;
-    for (b, (&l, &c)) in lens.iter().zip(&cache_lengths).enumerate() {
-        for j in 0..(c as usize + l).div_ceil(PAGE) {
-            lookup[b * cols + j] = (next * 7) % (num_blocks as u32 - 1);
+    for (b, &p) in pages.iter().enumerate() {
+        for j in 0..p {
+            lookup[b * cols + j] = (next * 5 + 3) % (num_blocks as u32 - 1); // scattered
             next += 1;
         }
     }
-    let shape = CacheShape::mha(num_blocks, 1, PAGE, KV_HEADS, HEAD)?;
+    let shape = CacheShape::mha(num_blocks, 1, page, m.kv_heads, m.head)?;
     let mut cache = PagedKvCache::<bf16>::zeros(shape);
-    println!(
-        "  batch: {} tokens in {} sequences {:?}, cache lengths {:?}; cache {:?} bf16, {} pages in use",
-        m,
-        lens.len(),
-        lens,
-        cache_lengths,
-        shape.dims(),
-        next
-    );
+    let freqs = case::freqs_cis(512, m.head, m.rope_theta);
+    let tsf_w = wq.tensor_scale();
+    let mut phases = Vec::new();
 
-    let args = QkvFp4Args {
-        hidden_state: xq.as_ref(),
-        input_row_offsets: &offsets,
-        weight: wq.as_ref(),
-        tensor_sf: xq.tensor_scale() * wq.tensor_scale(),
-        q_dim,
-    };
-    let mut results = Vec::new();
-    for mode in [Accumulation::Exact, Accumulation::Sequential] {
-        let mut out = vec![bf16::ZERO; m * q_dim];
-        let table = PageTable::new(&lookup, cols, &cache_lengths)?;
-        let mut kv = KvWrite::new(cache.view_mut(), table, 0);
+    // One step: fast fused QKV (Q out, K/V into the cache) + RoPE on Q and the new K; then the
+    // exact oracle on `check` rows (each as its own 1-token sequence) compared with the fast result.
+    let step = |x: &[f32],
+                lens: &[usize],
+                cache_lengths: &[u32],
+                check: &[usize],
+                cache: &mut PagedKvCache<bf16>|
+     -> Result<(f64, f64, u64, f32), Bad> {
+        let mtot: usize = lens.iter().sum();
+        let a = quantize(BlockFormat::Nvfp4, x, mtot, k, nvfp4_global_scale(amax(x)))?;
+        let mut offsets = vec![0u32];
+        for &l in lens {
+            offsets.push(offsets[offsets.len() - 1] + l as u32);
+        }
+        let mut q = vec![bf16::ZERO; mtot * q_dim];
+        let mut q_rot = vec![bf16::ZERO; mtot * q_dim];
         let t = Instant::now();
-        qkv_fp4_ragged(&args, &mut out, &mut kv, mode)?;
-        let dt = t.elapsed();
-        let flop = 2.0 * (m * n * HIDDEN) as f64;
-        println!("  reference fused QKV ({mode:?}): {dt:.2?}, {:.2} GFLOP/s", flop / dt.as_secs_f64() / 1e9);
-        results.push(out);
+        {
+            let table = PageTable::new(&lookup, cols, cache_lengths)?;
+            let mut kv = KvWrite::new(cache.view_mut(), table, 0);
+            let args = QkvFp4PackedArgs {
+                hidden_state: a.as_ref(),
+                input_row_offsets: &offsets,
+                weight: &packed,
+                tensor_sf: a.tensor_scale() * tsf_w,
+                q_dim,
+            };
+            qkv_fp4_ragged_packed(&args, &mut q, &mut kv, Exec::default())?;
+            let rope = RopeRaggedArgs {
+                q_proj: &q,
+                input_row_offsets: &offsets,
+                num_q_heads: m.q_heads,
+                q_head_size: m.head,
+                freqs_cis: &freqs,
+                rope_dim: m.head,
+                position_ids: None,
+                interleaved: false,
+            };
+            reference::rope_ragged(&rope, &mut q_rot, &mut kv, RopeMath::F32)?;
+        }
+        let secs = t.elapsed().as_secs_f64();
+        // Oracle on the checked rows.
+        let sub = take_rows(&a, check)?;
+        let (mut b_of, mut t_of) = (Vec::new(), Vec::new());
+        for &r in check {
+            let b = offsets.iter().rposition(|&o| o as usize <= r).unwrap_or(0).min(lens.len() - 1);
+            b_of.push(b);
+            t_of.push(r - offsets[b] as usize);
+        }
+        let sub_lens: Vec<u32> = b_of.iter().zip(&t_of).map(|(&b, &t)| cache_lengths[b] + t as u32).collect();
+        let sub_lookup: Vec<u32> = b_of.iter().flat_map(|&b| lookup[b * cols..(b + 1) * cols].to_vec()).collect();
+        let mut scratch = cache.clone();
+        let mut ref_q = vec![bf16::ZERO; check.len() * q_dim];
+        let sub_offsets: Vec<u32> = (0..=check.len() as u32).collect();
+        let tr = Instant::now();
+        {
+            let table = PageTable::new(&sub_lookup, cols, &sub_lens)?;
+            let mut kv = KvWrite::new(scratch.view_mut(), table, 0);
+            let args = QkvFp4Args {
+                hidden_state: sub.as_ref(),
+                input_row_offsets: &sub_offsets,
+                weight: wq.as_ref(),
+                tensor_sf: a.tensor_scale() * tsf_w,
+                q_dim,
+            };
+            reference::qkv_fp4_ragged(&args, &mut ref_q, &mut kv, Accumulation::Exact)?;
+        }
+        let ref_secs = tr.elapsed().as_secs_f64() / check.len() as f64;
+        let (mut max_ulp, mut max_abs) = (0u64, 0f32);
+        let ord = |b: u16| if b & 0x8000 != 0 { -((b & 0x7FFF) as i64) } else { b as i64 };
+        for (i, &r) in check.iter().enumerate() {
+            for c in 0..q_dim {
+                let (f, e) = (q[r * q_dim + c], ref_q[i * q_dim + c]);
+                max_ulp = max_ulp.max((ord(f.to_bits()) - ord(e.to_bits())).unsigned_abs());
+                max_abs = max_abs.max((f.to_f32() - e.to_f32()).abs());
+            }
+        }
+        Ok((secs, ref_secs, max_ulp, max_abs))
+    };
+
+    // Prefill: 4 prompts at once.
+    let mtot: usize = prompts.iter().sum();
+    let x: Vec<f32> = (0..mtot * k).map(|_| rnd() * 2.0).collect();
+    let mut starts = vec![0usize];
+    for &p in &prompts {
+        starts.push(starts[starts.len() - 1] + p);
     }
-    let max_diff =
-        results[0].iter().zip(&results[1]).map(|(a, b)| (a.to_f32() - b.to_f32()).abs()).fold(0.0f32, f32::max);
-    println!("  max |exact - sequential| over Q: {max_diff:e} (summation order only)");
-    println!("  Q[0, 0..4] = {:?}", &results[0][..4].iter().map(|v| v.to_f32()).collect::<Vec<_>>());
-    let p = cache_lengths[1] as usize;
-    let blk = lookup[cols + p / PAGE] as usize;
+    let check: Vec<usize> = starts[1..].iter().map(|&e| e - 1).collect(); // each prompt's last token
+    let zero = vec![0u32; prompts.len()];
+    let (secs, ref_tok, ulp, abs) = step(&x, &prompts, &zero, &check, &mut cache)?;
+    phases.push(Phase {
+        name: "prefill",
+        tokens: mtot,
+        secs,
+        flop: 2.0 * (mtot * n * k) as f64,
+        ref_per_token: ref_tok,
+        max_ulp: ulp,
+        max_abs: abs,
+        pages: pages.iter().map(|_| 0).sum::<usize>() + prompts.iter().map(|&p| p.div_ceil(page)).sum::<usize>(),
+    });
+
+    // Decode: 32 steps of one token per sequence; the oracle checks every 8th step.
+    let mut d = Phase {
+        name: "decode",
+        tokens: 0,
+        secs: 0.0,
+        flop: 0.0,
+        ref_per_token: 0.0,
+        max_ulp: 0,
+        max_abs: 0.0,
+        pages: 0,
+    };
+    let mut checked = 0;
+    let ones = vec![1usize; prompts.len()];
+    for s in 0..steps {
+        let lens: Vec<u32> = prompts.iter().map(|&p| (p + s) as u32).collect();
+        let x: Vec<f32> = (0..prompts.len() * k).map(|_| rnd() * 2.0).collect();
+        let chk: Vec<usize> = if s % 8 == 0 { (0..prompts.len()).collect() } else { vec![0] };
+        let (secs, ref_tok, ulp, abs) = step(&x, &ones, &lens, &chk, &mut cache)?;
+        d.tokens += prompts.len();
+        d.secs += secs;
+        d.flop += 2.0 * (prompts.len() * n * k) as f64;
+        if s % 8 == 0 {
+            d.ref_per_token += ref_tok;
+            checked += 1;
+        }
+        d.max_ulp = d.max_ulp.max(ulp);
+        d.max_abs = d.max_abs.max(abs);
+        progress("decode", s + 1, steps);
+    }
+    d.ref_per_token /= checked as f64;
+    d.pages = prompts.iter().map(|&p| (p + steps).div_ceil(page)).sum();
+    phases.push(d);
+
+    println!();
     println!(
-        "  sequence 1, token 0 -> position {p}: block {blk}, slot {}; K head 0 dims 0..4 = {:?}",
-        p % PAGE,
-        (0..4).map(|d| cache.get(blk, 0, 0, p % PAGE, 0, d).to_f32()).collect::<Vec<_>>()
+        "  {:<8} {:>7} {:>10} {:>9} {:>10} {:>14} {:>6}",
+        "phase", "tokens", "time", "GFLOP/s", "speed-up", "max err (Q)", "pages"
     );
+    for p in &phases {
+        println!(
+            "  {:<8} {:>7} {:>8.2}ms {:>9.1} {:>9.0}x {:>6} ulp {:.1e} {:>4}",
+            p.name,
+            p.tokens,
+            p.secs * 1e3,
+            p.flop / p.secs / 1e9,
+            p.ref_per_token * p.tokens as f64 / p.secs,
+            p.max_ulp,
+            p.max_abs,
+            p.pages
+        );
+    }
+    println!(
+        "  (time: fast fused QKV + RoPE per phase; speed-up: the scalar reference (Exact), timed on sampled tokens, per token;"
+    );
+    println!(
+        "   max err: fast bf16 Q against the exact oracle on those tokens, in bf16 ULPs and absolute; pages: cache pages in use)"
+    );
+    println!("  total {:.1?}", t0.elapsed());
+    Ok(())
+}
+
+fn bench(model: &str, threads: Option<usize>) -> Result<(), Bad> {
+    let m = case::model(model)
+        .ok_or_else(|| Bad(format!("--model: expected llama3-8b, qwen2.5-0.5b or tiny, found `{model}`")))?;
+    let p = pool(threads)?;
+    let (k, q_dim, n) = (m.hidden, m.q_heads * m.head, (m.q_heads + 2 * m.kv_heads) * m.head);
+    let mut s = 1u64;
+    let mut rnd = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    };
+    let w: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
+    println!(
+        "paged-qkv bench: {} (K {k}, N {n}), {} threads, ISA {}",
+        m.name,
+        p.current_num_threads(),
+        Isa::best().name()
+    );
+    let time = |f: &mut dyn FnMut()| -> f64 {
+        f();
+        let mut v = Vec::new();
+        let t0 = Instant::now();
+        while v.len() < 5 || (t0.elapsed().as_secs_f64() < 0.5 && v.len() < 200) {
+            let t = Instant::now();
+            f();
+            v.push(t.elapsed().as_secs_f64());
+        }
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    };
+    for format in [BlockFormat::Nvfp4, BlockFormat::Mxfp4] {
+        let wq = quantize(format, &w, n, k, nvfp4_global_scale(amax(&w)))?;
+        let packed = PackedWeights::new(wq.as_ref());
+        let bytes = [wq.data(), wq.scales()].concat();
+        let read = p.install(|| {
+            time(&mut || {
+                let x: u64 = bytes
+                    .par_chunks(1 << 16)
+                    .map(|c| {
+                        c.chunks_exact(8).fold(0u64, |a, b| a ^ u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+                    })
+                    .reduce(|| 0, |a, b| a ^ b);
+                std::hint::black_box(x);
+            })
+        });
+        println!(
+            "  {}: weight {:.1} MB; plain read of the weight bytes {:.3} ms = {:.1} GB/s",
+            format.name(),
+            bytes.len() as f64 / 1e6,
+            read * 1e3,
+            bytes.len() as f64 / read / 1e9
+        );
+        println!("    {:>5} {:>10} {:>9} {:>14} {:>12}", "M", "time", "GFLOP/s", "weight GB/s", "vs read");
+        for mm in [1usize, 8, 64, 512] {
+            let x: Vec<f32> = (0..mm * k).map(|_| rnd()).collect();
+            let a = quantize(format, &x, mm, k, nvfp4_global_scale(amax(&x)))?;
+            let shape = CacheShape::mha(mm.div_ceil(m.page) + 1, 1, m.page, m.kv_heads, m.head)?;
+            let mut cache = PagedKvCache::<bf16>::zeros(shape);
+            let lookup: Vec<u32> = (0..shape.num_blocks() as u32).collect();
+            let mut out = vec![bf16::ZERO; mm * q_dim];
+            let offs = [0, mm as u32];
+            let t = p.install(|| {
+                time(&mut || {
+                    let table = PageTable::new(&lookup, lookup.len(), &[0]).expect("valid table");
+                    let mut kv = KvWrite::new(cache.view_mut(), table, 0);
+                    let args = QkvFp4PackedArgs {
+                        hidden_state: a.as_ref(),
+                        input_row_offsets: &offs,
+                        weight: &packed,
+                        tensor_sf: 1.0,
+                        q_dim,
+                    };
+                    fast::qkv_fp4_ragged_packed(&args, &mut out, &mut kv, Exec::default()).expect("valid call");
+                })
+            });
+            println!(
+                "    {mm:>5} {:>8.3}ms {:>9.1} {:>14.1} {:>11.2}x",
+                t * 1e3,
+                2.0 * (mm * n * k) as f64 / t / 1e9,
+                bytes.len() as f64 / t / 1e9,
+                t / read
+            );
+        }
+    }
     Ok(())
 }

@@ -1,0 +1,248 @@
+//! The `paged-qkv` binary end to end: make-case → run → check, perturbed and corrupted results,
+//! malformed files (never a panic; exit 2 with a one-line message), numpy-style U8 scales.
+
+use paged_qkv::case::{self, Case, Tensor};
+use safetensors::Dtype;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_paged-qkv"))
+}
+
+fn dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("paged-qkv-cli-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn run(args: &[&str]) -> Output {
+    let o = bin().args(args).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!err.contains("panicked"), "the binary panicked: {err}");
+    o
+}
+
+fn p(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+fn make(d: &Path, op: &str, format: &str) -> PathBuf {
+    let c = d.join(format!("{op}-{format}.safetensors"));
+    let o = run(&[
+        "make-case",
+        "--op",
+        op,
+        "--model",
+        "tiny",
+        "--batch",
+        "3",
+        "--seed",
+        "7",
+        "--format",
+        format,
+        "-o",
+        p(&c),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    c
+}
+
+#[test]
+fn every_op_runs_and_checks_against_itself() {
+    let d = dir("roundtrip");
+    let mut cases: Vec<(&str, &str)> = case::Op::ALL.iter().map(|o| (o.name(), "nvfp4")).collect();
+    cases.push(("qkv_fp4_ragged", "mxfp4"));
+    cases.push(("qkv_fp4_ragged", "mxfp8"));
+    for (op, fmt) in cases {
+        let c = make(&d, op, fmt);
+        let out = d.join(format!("{op}-{fmt}-out.safetensors"));
+        let o = run(&["run", p(&c), "-o", p(&out), "--threads", "2"]);
+        assert!(o.status.success(), "{op}: {}", String::from_utf8_lossy(&o.stderr));
+        let o = run(&["check", p(&c), "--expected", p(&out)]);
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert_eq!(o.status.code(), Some(0), "{op} {fmt}: {text}");
+        assert!(text.contains("verdict: PASS"), "{text}");
+        // The reference run itself (sequential mode) is bit-identical to its own check.
+        let o = run(&["run", p(&c), "-o", p(&out), "--mode", "exact"]);
+        assert!(o.status.success());
+        let o = run(&["check", p(&c), "--expected", p(&out), "--ulps", "0"]);
+        assert_eq!(o.status.code(), Some(0), "{op} exact vs exact: {}", String::from_utf8_lossy(&o.stdout));
+    }
+}
+
+fn edit(path: &Path, f: impl FnOnce(&mut std::collections::BTreeMap<String, Tensor>)) {
+    let mut t = case::load_tensors(&std::fs::read(path).unwrap()).unwrap();
+    f(&mut t);
+    std::fs::write(path, case::save_tensors(&t, None).unwrap()).unwrap();
+}
+
+#[test]
+fn a_perturbed_result_fails_and_names_the_position() {
+    let d = dir("perturbed");
+    let c = make(&d, "qkv_fp4_ragged", "nvfp4");
+    let out = d.join("out.safetensors");
+    assert!(run(&["run", p(&c), "-o", p(&out)]).status.success());
+    let case = Case::from_bytes(&std::fs::read(&c).unwrap()).unwrap();
+    let idx = 37;
+    edit(&out, |t| {
+        let o = t.get_mut("output").unwrap();
+        // bf16 at index 37: add a large value.
+        let v = half::bf16::from_le_bytes([o.data[2 * idx], o.data[2 * idx + 1]]);
+        let w = half::bf16::from_f32(v.to_f32() + 3.0).to_le_bytes();
+        o.data[2 * idx..2 * idx + 2].copy_from_slice(&w);
+    });
+    let o = run(&["check", p(&c), "--expected", p(&out)]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(1), "{text}");
+    assert!(text.contains(&case.name_output(idx)), "position {} not named in:\n{text}", case.name_output(idx));
+    assert!(text.contains("verdict: FAIL"));
+
+    // A change to a cache element the op does not write is reported as corruption.
+    assert!(run(&["run", p(&c), "-o", p(&out)]).status.success());
+    let (_, mask) = case.written().unwrap();
+    let i = mask.iter().position(|&w| !w).unwrap();
+    edit(&out, |t| {
+        let kv = t.get_mut("kv_blocks").unwrap();
+        kv.data[2 * i] ^= 0x40;
+    });
+    let o = run(&["check", p(&c), "--expected", p(&out)]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(1), "{text}");
+    assert!(text.contains("CORRUPTION") && text.contains(&case.name_cache(i)), "{text}");
+}
+
+fn expect_bad(case_path: &Path, needle: &str) {
+    let out = case_path.with_extension("out");
+    let o = run(&["run", p(case_path), "-o", p(&out)]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains(needle), "expected `{needle}` in: {err}");
+    assert_eq!(err.trim().lines().count(), 1, "one-line message: {err}");
+}
+
+#[test]
+fn malformed_files_are_clear_errors() {
+    let d = dir("malformed");
+    let good = make(&d, "qkv_fp4_ragged", "nvfp4");
+    let bytes = std::fs::read(&good).unwrap();
+
+    let f = d.join("truncated.safetensors");
+    std::fs::write(&f, &bytes[..bytes.len() / 2]).unwrap();
+    expect_bad(&f, "not a valid safetensors file");
+
+    let f = d.join("empty.safetensors");
+    std::fs::write(&f, b"").unwrap();
+    expect_bad(&f, "not a valid safetensors file");
+
+    // The header claims more data than the file holds.
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = String::from_utf8(bytes[8..8 + n].to_vec()).unwrap();
+    let last_end = bytes.len() - 8 - n;
+    let lying = header.replacen(&format!("{last_end}]"), &format!("{}]", last_end + 4096), 1);
+    assert_ne!(lying, header);
+    let mut v = (lying.len() as u64).to_le_bytes().to_vec();
+    v.extend(lying.as_bytes());
+    v.extend(&bytes[8 + n..]);
+    let f = d.join("lying.safetensors");
+    std::fs::write(&f, v).unwrap();
+    expect_bad(&f, "not a valid safetensors file");
+
+    let mut case = Case::from_bytes(&bytes).unwrap();
+    let save = |c: &Case, name: &str| {
+        let f = d.join(name);
+        std::fs::write(&f, c.to_bytes().unwrap()).unwrap();
+        f
+    };
+    // Wrong dtype.
+    let lens = case.tensors["cache_lengths"].clone();
+    case.tensors.insert("cache_lengths".into(), Tensor { dtype: Dtype::F32, ..lens.clone() });
+    expect_bad(&save(&case, "dtype.safetensors"), "`cache_lengths`: expected dtype U32, found F32");
+    case.tensors.insert("cache_lengths".into(), lens);
+    // Wrong shape.
+    let ws = case.tensors["weight_scale"].clone();
+    let mut bad = ws.clone();
+    bad.shape = vec![ws.shape.iter().product::<usize>()];
+    case.tensors.insert("weight_scale".into(), bad);
+    expect_bad(&save(&case, "shape.safetensors"), "`weight_scale`: expected 5-D shape");
+    case.tensors.insert("weight_scale".into(), ws);
+    // Missing tensor.
+    let lut = case.tensors.remove("kv_lookup_table").unwrap();
+    expect_bad(&save(&case, "missing.safetensors"), "`kv_lookup_table`: missing tensor");
+    case.tensors.insert("kv_lookup_table".into(), lut);
+    // A page table entry past the cache: the library's validation, in one line.
+    let mut lut = case.tensors["kv_lookup_table"].clone();
+    lut.data[..4].copy_from_slice(&10_000u32.to_le_bytes());
+    let mut c2 = case.clone();
+    c2.tensors.insert("kv_lookup_table".into(), lut);
+    expect_bad(&save(&c2, "block.safetensors"), "kv_lookup_table");
+    // Unknown op.
+    let mut c3 = case.clone();
+    c3.meta.insert("op".into(), "matmul".into());
+    let f = d.join("op.safetensors");
+    let t = c3.tensors.clone();
+    std::fs::write(&f, case::save_tensors(&t, Some(c3.meta.clone())).unwrap()).unwrap();
+    expect_bad(&f, "`__metadata__.op`");
+}
+
+#[test]
+fn numpy_style_u8_scales_load() {
+    let d = dir("u8");
+    let c = make(&d, "qkv_fp4_ragged", "nvfp4");
+    let out_f8 = d.join("f8.out");
+    assert!(run(&["run", p(&c), "-o", p(&out_f8)]).status.success());
+    let mut case = Case::from_bytes(&std::fs::read(&c).unwrap()).unwrap();
+    for name in ["input_scale", "weight_scale"] {
+        case.tensors.get_mut(name).unwrap().dtype = Dtype::U8;
+    }
+    let u8_case = d.join("u8.safetensors");
+    std::fs::write(&u8_case, case.to_bytes().unwrap()).unwrap();
+    let out_u8 = d.join("u8.out");
+    let o = run(&["run", p(&u8_case), "-o", p(&out_u8)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let a = case::load_tensors(&std::fs::read(&out_f8).unwrap()).unwrap();
+    let b = case::load_tensors(&std::fs::read(&out_u8).unwrap()).unwrap();
+    assert_eq!(a, b);
+}
+
+mod fuzzish {
+    use super::*;
+    use paged_qkv::Exec;
+    use paged_qkv::case::Mode;
+    use proptest::prelude::*;
+
+    fn seed_cases() -> Vec<Vec<u8>> {
+        ["qkv_fp4_ragged", "rope_ragged", "qkv_bshd", "kv_store_bshd"]
+            .iter()
+            .map(|op| {
+                let m = case::model("tiny").unwrap();
+                case::make(case::Op::from_name(op).unwrap(), m, 3, 1, paged_qkv::BlockFormat::Nvfp4)
+                    .unwrap()
+                    .to_bytes()
+                    .unwrap()
+            })
+            .collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+        /// Byte flips anywhere in a valid case (header included): the reader and every step of
+        /// run/written/naming return errors or results, never panic.
+        #[test]
+        fn mutated_case_files_never_panic(which in 0usize..4, flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..6), cut in any::<bool>()) {
+            let mut bytes = seed_cases()[which].clone();
+            for (pos, x) in flips {
+                let i = pos % bytes.len();
+                bytes[i] ^= x | 1;
+            }
+            if cut { bytes.truncate(bytes.len() * 3 / 4); }
+            if let Ok(c) = Case::from_bytes(&bytes) {
+                let _ = c.run(Mode::Exact, Exec::sequential());
+                let _ = c.run(Mode::Fast, Exec::sequential());
+                let _ = c.written();
+                let _ = c.name_output(3);
+                let _ = c.name_cache(3);
+            }
+        }
+    }
+}
