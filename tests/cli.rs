@@ -246,3 +246,18 @@ mod fuzzish {
         }
     }
 }
+
+#[test]
+fn f4_dtype_tensors_load_like_packed_u8() {
+    let m = case::model("tiny").unwrap();
+    let c = case::make(case::Op::QkvFp4Ragged, m, 3, 5, paged_qkv::BlockFormat::Nvfp4).unwrap();
+    let mut f4 = c.clone();
+    for name in ["hidden_state", "weight"] {
+        let t = f4.tensors.get_mut(name).unwrap();
+        t.dtype = Dtype::F4;
+        t.shape[1] *= 2; // [rows, K]: same bytes, two elements per byte
+    }
+    let f4 = Case::from_bytes(&f4.to_bytes().unwrap()).unwrap();
+    let exec = paged_qkv::Exec::sequential();
+    assert_eq!(c.run(case::Mode::Exact, exec).unwrap(), f4.run(case::Mode::Exact, exec).unwrap());
+}
