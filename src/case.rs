@@ -28,7 +28,7 @@ use crate::ops::{self, Accumulation, RopeMath};
 use crate::reference;
 use half::{bf16, f16};
 use safetensors::{Dtype as St, SafeTensors, tensor::TensorView};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fmt;
 
 /// A malformed or inconsistent case, in one line.
@@ -200,8 +200,7 @@ fn dims(s: &[usize]) -> String {
 impl Case {
     /// Parses a safetensors file (no tensor is interpreted yet beyond its header).
     pub fn from_bytes(bytes: &[u8]) -> Result<Case> {
-        let st =
-            SafeTensors::deserialize(bytes).map_err(|e| CaseError(format!("not a valid safetensors file: {e}")))?;
+        let tensors = load_tensors(bytes)?;
         let (_, header) =
             SafeTensors::read_metadata(bytes).map_err(|e| CaseError(format!("not a valid safetensors file: {e}")))?;
         let meta: BTreeMap<String, String> = header.metadata().clone().unwrap_or_default().into_iter().collect();
@@ -212,29 +211,14 @@ impl Case {
                 Op::ALL.map(Op::name).join(", ")
             ))
         })?;
-        let tensors = st
-            .iter()
-            .map(|(name, v)| {
-                (name.to_string(), Tensor { dtype: v.dtype(), shape: v.shape().to_vec(), data: v.data().to_vec() })
-            })
-            .collect();
         Ok(Case { op, meta, tensors })
     }
 
     /// Serialises to safetensors bytes.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
-        let mut meta: HashMap<String, String> = self.meta.clone().into_iter().collect();
+        let mut meta = self.meta.clone();
         meta.insert("op".into(), self.op.name().into());
-        let views: Vec<(String, TensorView<'_>)> = self
-            .tensors
-            .iter()
-            .map(|(n, t)| {
-                TensorView::new(t.dtype, t.shape.clone(), &t.data)
-                    .map(|v| (n.clone(), v))
-                    .map_err(|e| CaseError(format!("`{n}`: {e}")))
-            })
-            .collect::<Result<_>>()?;
-        safetensors::serialize(views, Some(meta)).map_err(|e| CaseError(format!("serialising: {e}")))
+        save_tensors(&self.tensors, Some(meta))
     }
 
     /// The tensor `name`, or an error naming it.

@@ -257,6 +257,16 @@ fn make_case(op: &str, model: &str, batch: usize, seed: u64, format: &str, out: 
     Ok(())
 }
 
+/// Uniform values in [-0.5, 0.5) from a xorshift generator.
+fn uniform(mut s: u64) -> impl FnMut() -> f32 {
+    move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    }
+}
+
 /// A one-line progress bar on stderr.
 fn progress(label: &str, done: usize, total: usize) {
     let w = 30;
@@ -307,13 +317,7 @@ fn demo() -> Result<(), Bad> {
         rayon::current_num_threads()
     );
     let t0 = Instant::now();
-    let mut s = 0x2545_F491_4F6C_DD1Du64;
-    let mut rnd = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-    };
+    let mut rnd = uniform(0x2545_F491_4F6C_DD1Du64);
     let w: Vec<f32> = (0..n * k).map(|_| rnd() * 0.05).collect();
     let wq = quantize(BlockFormat::Nvfp4, &w, n, k, nvfp4_global_scale(amax(&w)))?;
     let packed = PackedWeights::new(wq.as_ref());
@@ -510,13 +514,7 @@ fn bench(model: &str, threads: Option<usize>) -> Result<(), Bad> {
         .ok_or_else(|| Bad(format!("--model: expected llama3-8b, qwen2.5-0.5b or tiny, found `{model}`")))?;
     let p = pool(threads)?;
     let (k, q_dim, n) = (m.hidden, m.q_heads * m.head, (m.q_heads + 2 * m.kv_heads) * m.head);
-    let mut s = 1u64;
-    let mut rnd = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-    };
+    let mut rnd = uniform(1u64);
     let w: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
     println!(
         "paged-qkv bench: {} (K {k}, N {n}), {} threads, ISA {}",
