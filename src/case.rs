@@ -627,13 +627,19 @@ impl Case {
         let rows: Vec<(usize, usize, bool)> = match self.op {
             Op::QkvBshd | Op::RopeBshd | Op::KvStoreBshd => {
                 let x = if self.op == Op::RopeBshd { "q_proj" } else { "hidden_state" };
-                let s = self.tensor(x)?.shape.get(1).copied().unwrap_or(0);
+                let sh = &self.tensor(x)?.shape;
+                if sh.get(2..).is_some_and(|rest| rest.contains(&0)) {
+                    return err(format!("`{x}`: expected non-zero dimensions, found {}", dims(sh)));
+                }
+                let s = sh.get(1).copied().unwrap_or(0);
                 let valid = self.u32s("valid_lengths", None)?;
                 valid.iter().enumerate().flat_map(|(b, &v)| (0..s).map(move |t| (b, t, t < v as usize))).collect()
             }
             _ => {
+                // The row count comes from a tensor (bounded by the file), never from the offsets.
+                let x = if self.op == Op::RopeRagged { "q_proj" } else { "hidden_state" };
+                let m = self.tensor(x)?.shape.first().copied().unwrap_or(0);
                 let offsets = self.u32s("input_row_offsets", None)?;
-                let m = offsets.last().copied().unwrap_or(0) as usize;
                 ops::ragged_rows(&offsets, m)?.into_iter().map(|(b, t)| (b, t, true)).collect()
             }
         };

@@ -88,8 +88,9 @@ impl<'a> QuantizedRef<'a> {
     /// `scales` (5-D `[ceil(rows/128), ceil(ceil(k/V)/4), 32, 4, 4]`). `arg` names the tensor in
     /// errors (`hidden_state` or `weight`; its scales are `input_scale` or `weight_scale`).
     pub fn new(format: BlockFormat, rows: usize, k: usize, data: &'a [u8], scales: &'a [u8]) -> Result<Self> {
-        if format.is_fp4() && !k.is_multiple_of(2) {
-            return Err(Error::dim("k", format!("packed FP4 needs an even logical K, found {k}")));
+        // K = 0 would let any row count pass with empty data (and size allocations by it).
+        if k == 0 || (format.is_fp4() && !k.is_multiple_of(2)) {
+            return Err(Error::dim("k", format!("must be at least 1 (even for packed FP4), found {k}")));
         }
         let want = checked_len("data", &[rows, format.row_bytes(k)])?;
         if data.len() != want {

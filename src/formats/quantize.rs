@@ -48,8 +48,8 @@ pub fn quantize<T: Element>(
     global_scale: f32,
 ) -> Result<QuantizedMatrix> {
     check_len_2d("x", x.len(), rows, k)?;
-    if format.is_fp4() && !k.is_multiple_of(2) {
-        return Err(Error::dim("k", format!("packed FP4 needs an even logical K, found {k}")));
+    if k == 0 || (format.is_fp4() && !k.is_multiple_of(2)) {
+        return Err(Error::dim("k", format!("must be at least 1 (even for packed FP4), found {k}")));
     }
     if let Some(index) = x.iter().position(|v| !v.to_f32().is_finite()) {
         return Err(Error::NonFinite { arg: "x", index });

@@ -133,6 +133,10 @@ pub fn rope_bshd<T: Element, C: Element>(
         return Err(Error::dim("kv_blocks", format!("head_size must be even for RoPE pairs, found {d}")));
     }
     let (batch, s, hq) = (args.batch, args.seq_len, args.num_q_heads);
+    if hq == 0 {
+        // Zero heads would let any (batch, seq_len) pass with an empty q_proj.
+        return Err(Error::dim("num_q_heads", "must be at least 1"));
+    }
     check_tensor("q_proj", args.q_proj.len(), &[batch, s, hq, d])?;
     check_tensor("output", output.len(), &[batch, s, hq, d])?;
     check_valid_lengths(args.valid_lengths, batch, s)?;
@@ -174,6 +178,9 @@ pub fn rope_ragged<T: Element, F: Element, C: Element>(
 ) -> Result<()> {
     let shape = kv.cache.shape();
     let (hq, dq, dk, rd) = (args.num_q_heads, args.q_head_size, shape.head_size(), args.rope_dim);
+    if hq == 0 {
+        return Err(Error::dim("num_q_heads", "must be at least 1"));
+    }
     if rd == 0 || rd % 2 != 0 || rd > dq || rd > dk {
         return Err(Error::dim(
             "rope_dim",

@@ -355,3 +355,44 @@ fn constructor_errors() {
         assert_eq!(shape.index(a, b, c, d, e, f), i);
     }
 }
+
+#[test]
+fn zero_width_dimensions_are_rejected() {
+    // K = 0 or zero Q heads would make any row count look consistent with empty data.
+    assert!(matches!(
+        paged_qkv::QuantizedRef::new(BlockFormat::Mxfp8, 1 << 40, 0, &[], &[]),
+        Err(Error::InvalidDim { arg: "k", .. })
+    ));
+    assert!(matches!(
+        quantize(BlockFormat::Nvfp4, &[0f32; 0], 1 << 40, 0, 1.0),
+        Err(Error::InvalidDim { arg: "k", .. })
+    ));
+    let (shape, lookup, cols, lens) = bshd_fixture();
+    let e = unchanged(shape, &lookup, cols, &lens, 0, |o, kv| {
+        let args = RopeBshdArgs {
+            q_proj: &[],
+            batch: 2,
+            seq_len: 1 << 40,
+            num_q_heads: 0,
+            freqs_cis: &[bf16::ONE; 4],
+            valid_lengths: &[0, 0],
+            interleaved: true,
+        };
+        rope_bshd(&args, o, kv, RopeMath::F32)
+    });
+    assert!(matches!(e, Error::InvalidDim { arg: "num_q_heads", .. }));
+    let e = unchanged(shape, &lookup, cols, &lens, 0, |o, kv| {
+        let args = RopeRaggedArgs {
+            q_proj: &[],
+            input_row_offsets: &[0, u32::MAX, u32::MAX],
+            num_q_heads: 0,
+            q_head_size: 4,
+            freqs_cis: &[bf16::ONE; 4],
+            rope_dim: 4,
+            position_ids: None,
+            interleaved: false,
+        };
+        rope_ragged(&args, o, kv, RopeMath::F32)
+    });
+    assert!(matches!(e, Error::InvalidDim { arg: "num_q_heads", .. }));
+}
