@@ -77,15 +77,10 @@ pub fn e4m3_from_f32(x: f32) -> u8 {
         let m = (a * 512.0).round_ties_even() as u8;
         return sign | m;
     }
-    let e = a.log2().floor() as i32; // a ≥ 2^-6, exact powers of two give exact log2
-    let e = if 2f64.powi(e) > a {
-        e - 1
-    } else if 2f64.powi(e + 1) <= a {
-        e + 1
-    } else {
-        e
-    };
-    let frac = a / 2f64.powi(e); // in [1, 2), exact
+    // a is a normal f64 in [2^-6, 448): split it exactly into 2^e · frac with frac in [1, 2).
+    let bits = a.to_bits();
+    let e = ((bits >> 52) & 0x7FF) as i32 - 1023;
+    let frac = f64::from_bits((bits & ((1u64 << 52) - 1)) | (1023u64 << 52));
     let mut m = ((frac - 1.0) * 8.0).round_ties_even() as i32;
     let mut e = e;
     if m == 8 {

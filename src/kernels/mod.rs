@@ -240,6 +240,9 @@ impl PackedWeights {
     }
 }
 
+/// 2^112, built from its bits (exact by construction; `powi` is not guaranteed exact).
+const TWO_POW_112: f32 = f32::from_bits((112 + 127) << 23);
+
 /// Activations prepared once per call.
 pub(crate) struct Acts {
     /// FP4: doubled E2M1 as i8, `[m][kb·V]`.
@@ -293,7 +296,7 @@ impl Acts {
                     BlockFormat::Nvfp4 => {
                         let s = e4m3_scale_to_f32(byte);
                         acts.nan_row[r] |= s.is_nan();
-                        (if s.is_nan() { 0.0 } else { s * 2f32.powi(112) }).to_bits()
+                        (if s.is_nan() { 0.0 } else { s * TWO_POW_112 }).to_bits()
                     }
                     _ => {
                         acts.nan_row[r] |= byte == 0xFF;

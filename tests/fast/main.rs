@@ -372,3 +372,32 @@ proptest! {
         }
     }
 }
+
+/// Small enough for Miri (`cargo +nightly miri test --test fast miri_`): the scalar kernel and the
+/// parallel scatter (2 threads writing the output and cache through raw pointers) against the
+/// sequential run and the oracle. Under Miri only the scalar ISA is detected.
+#[test]
+fn miri_sized_parallel_call() {
+    let mut rng = Rng::new(55);
+    for format in [BlockFormat::Nvfp4, BlockFormat::Mxfp8] {
+        let c = Config {
+            format,
+            k: 32,
+            lens: vec![3, 0, 2],
+            cache_lengths: vec![1, 0, 3],
+            hq: 1,
+            hkv: 1,
+            hd: 16,
+            page: 2,
+            layers: 1,
+            mla_width: None,
+        };
+        let s = setup(&mut rng, &c);
+        let seq: (Vec<f32>, Vec<f32>) = run(&s, 1.0, Some(Exec::sequential()), 3);
+        let par: (Vec<f32>, Vec<f32>) = in_pool(2, || run(&s, 1.0, Some(Exec::default()), 3));
+        assert_eq!(bits(&seq.0), bits(&par.0));
+        assert_eq!(bits(&seq.1), bits(&par.1));
+        let exact: (Vec<f32>, Vec<f32>) = run(&s, 1.0, None, 3);
+        check_bound(&s, 1.0, &seq, &exact);
+    }
+}
