@@ -418,8 +418,6 @@ impl Case {
         mode: Mode,
         exec: Exec,
     ) -> Result<()> {
-        let layer_ok = kv.layer_idx;
-        let _ = layer_ok;
         match self.op {
             Op::QkvFp4Ragged => {
                 let format = self.format()?;

@@ -22,7 +22,6 @@ struct Call {
     cols: usize,
     cache_lengths: Vec<u32>,
     layer: usize,
-    mla: bool,
 }
 
 fn base(mla: bool) -> Call {
@@ -52,7 +51,6 @@ fn base(mla: bool) -> Call {
         cache_lengths: s.pages.cache_lengths.clone(),
         layer: s.layer,
         s,
-        mla,
     }
 }
 
@@ -95,7 +93,6 @@ fn the_base_call_succeeds() {
         let mut kv =
             KvWrite::new(cache.view_mut(), PageTable::new(&c.lookup, c.cols, &c.cache_lengths).unwrap(), c.layer);
         qkv_fp4_ragged(&args, &mut out, &mut kv, Accumulation::Exact).unwrap();
-        let _ = c.mla;
     }
 }
 
