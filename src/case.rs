@@ -105,12 +105,16 @@ impl Op {
     pub fn has_output(self) -> bool {
         !matches!(self, Op::KvStoreRagged | Op::KvStoreBshd)
     }
+    /// Whether [`Mode::Fast`] runs a fast path for this op (else the reference in Exact mode).
+    pub fn has_fast_path(self) -> bool {
+        matches!(self, Op::QkvFp4Ragged | Op::QkvRagged | Op::QkvBshd)
+    }
 }
 
 /// How [`Case::run`] computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
-    /// The fast path where one exists (`qkv_fp4_ragged`), else the reference in Exact mode.
+    /// The fast path where one exists ([`Op::has_fast_path`]), else the reference in Exact mode.
     Fast,
     /// The reference, MAX's f32 order (RoPE: `MaxCompat`).
     Sequential,
@@ -118,11 +122,87 @@ pub enum Mode {
     Exact,
 }
 
+/// A tensor's element type in a case file: the safetensors dtypes, spelled as Rust names
+/// (`Display` gives the file's spelling, e.g. `F8_E4M3`). This crate's own type, so that the
+/// case-file API does not change with the safetensors crate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+#[allow(missing_docs)]
+pub enum Dtype {
+    Bool,
+    F4,
+    F6E2M3,
+    F6E3M2,
+    U8,
+    I8,
+    F8E5M2,
+    F8E4M3,
+    F8E8M0,
+    F8E4M3Fnuz,
+    F8E5M2Fnuz,
+    I16,
+    U16,
+    F16,
+    BF16,
+    I32,
+    U32,
+    F32,
+    C64,
+    F64,
+    I64,
+    U64,
+}
+
+/// Both spellings of every dtype.
+const DTYPES: [(Dtype, St); 22] = [
+    (Dtype::Bool, St::BOOL),
+    (Dtype::F4, St::F4),
+    (Dtype::F6E2M3, St::F6_E2M3),
+    (Dtype::F6E3M2, St::F6_E3M2),
+    (Dtype::U8, St::U8),
+    (Dtype::I8, St::I8),
+    (Dtype::F8E5M2, St::F8_E5M2),
+    (Dtype::F8E4M3, St::F8_E4M3),
+    (Dtype::F8E8M0, St::F8_E8M0),
+    (Dtype::F8E4M3Fnuz, St::F8_E4M3FNUZ),
+    (Dtype::F8E5M2Fnuz, St::F8_E5M2FNUZ),
+    (Dtype::I16, St::I16),
+    (Dtype::U16, St::U16),
+    (Dtype::F16, St::F16),
+    (Dtype::BF16, St::BF16),
+    (Dtype::I32, St::I32),
+    (Dtype::U32, St::U32),
+    (Dtype::F32, St::F32),
+    (Dtype::C64, St::C64),
+    (Dtype::F64, St::F64),
+    (Dtype::I64, St::I64),
+    (Dtype::U64, St::U64),
+];
+
+impl Dtype {
+    fn to_st(self) -> St {
+        DTYPES.iter().find(|d| d.0 == self).map_or(St::U8, |d| d.1)
+    }
+    fn from_st(d: St) -> Option<Dtype> {
+        DTYPES.iter().find(|x| x.1 == d).map(|x| x.0)
+    }
+    /// The safetensors spelling (`U8`, `F8_E4M3`, `BF16`, …).
+    pub fn name(self) -> String {
+        format!("{:?}", self.to_st())
+    }
+}
+
+impl fmt::Display for Dtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.name())
+    }
+}
+
 /// One tensor: dtype, shape and little-endian bytes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Tensor {
-    /// safetensors dtype.
-    pub dtype: St,
+    /// Element type.
+    pub dtype: Dtype,
     /// Shape.
     pub shape: Vec<usize>,
     /// Raw bytes.
@@ -136,29 +216,29 @@ impl Tensor {
     }
     /// A U32 tensor.
     pub fn from_u32(shape: Vec<usize>, v: &[u32]) -> Tensor {
-        Tensor { dtype: St::U32, shape, data: v.iter().flat_map(|x| x.to_le_bytes()).collect() }
+        Tensor { dtype: Dtype::U32, shape, data: v.iter().flat_map(|x| x.to_le_bytes()).collect() }
     }
-    /// A byte tensor with the given dtype (U8, F8_E4M3, F8_E8M0).
-    pub fn from_bytes(dtype: St, shape: Vec<usize>, v: Vec<u8>) -> Tensor {
+    /// A byte tensor with the given dtype (U8, F8E4M3, F8E8M0).
+    pub fn from_bytes(dtype: Dtype, shape: Vec<usize>, v: Vec<u8>) -> Tensor {
         Tensor { dtype, shape, data: v }
     }
 }
 
-fn st_dtype(d: DType) -> St {
+fn st_dtype(d: DType) -> Dtype {
     match d {
-        DType::F32 => St::F32,
-        DType::BF16 => St::BF16,
-        DType::F16 => St::F16,
-        DType::F8E4M3 => St::F8_E4M3,
+        DType::F32 => Dtype::F32,
+        DType::BF16 => Dtype::BF16,
+        DType::F16 => Dtype::F16,
+        DType::F8E4M3 => Dtype::F8E4M3,
     }
 }
 
-fn elem_dtype(d: St) -> Option<DType> {
+fn elem_dtype(d: Dtype) -> Option<DType> {
     match d {
-        St::F32 => Some(DType::F32),
-        St::BF16 => Some(DType::BF16),
-        St::F16 => Some(DType::F16),
-        St::F8_E4M3 => Some(DType::F8E4M3),
+        Dtype::F32 => Some(DType::F32),
+        Dtype::BF16 => Some(DType::BF16),
+        Dtype::F16 => Some(DType::F16),
+        Dtype::F8E4M3 => Some(DType::F8E4M3),
         _ => None,
     }
 }
@@ -246,6 +326,11 @@ impl Case {
         self.meta_parse("interleaved", "`true` or `false`")
     }
 
+    /// Whether [`run`](Self::run) in `mode` uses a fast path.
+    pub fn runs_fast(&self, mode: Mode) -> bool {
+        mode == Mode::Fast && self.op.has_fast_path()
+    }
+
     /// The block format of a `qkv_fp4_ragged` case.
     pub fn format(&self) -> Result<BlockFormat> {
         let s = self.meta_str("format")?;
@@ -253,24 +338,38 @@ impl Case {
             .ok_or_else(|| CaseError(format!("`__metadata__.format`: expected nvfp4, mxfp4 or mxfp8, found `{s}`")))
     }
 
+    /// A U32 tensor of exactly `shape`, or of rank 1 (any length) when `shape` is `None`.
     fn u32s(&self, name: &str, shape: Option<&[usize]>) -> Result<Vec<u32>> {
         let t = self.tensor(name)?;
-        if t.dtype != St::U32 {
-            return err(format!("`{name}`: expected dtype U32, found {:?}", t.dtype));
+        if t.dtype != Dtype::U32 {
+            return err(format!("`{name}`: expected dtype U32, found {}", t.dtype));
         }
-        if let Some(s) = shape
-            && t.shape != s
-        {
-            return err(format!("`{name}`: expected shape {}, found {}", dims(s), dims(&t.shape)));
+        match shape {
+            Some(s) if t.shape != s => {
+                return err(format!("`{name}`: expected shape {}, found {}", dims(s), dims(&t.shape)));
+            }
+            None if t.shape.len() != 1 => {
+                return err(format!("`{name}`: expected rank 1, found shape {}", dims(&t.shape)));
+            }
+            _ => {}
         }
         Ok(t.data.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+
+    /// A float tensor decoded as `T`, which must be its dtype.
+    fn typed<T: Element>(&self, name: &str) -> Result<Vec<T>> {
+        let t = self.tensor(name)?;
+        if elem_dtype(t.dtype) != Some(T::DTYPE) {
+            return err(format!("`{name}`: expected dtype {}, found {}", st_dtype(T::DTYPE), t.dtype));
+        }
+        Ok(decode(&t.data))
     }
 
     /// A float tensor's dtype and shape, checked to be `rank`-dimensional (if given).
     fn float_info(&self, name: &str, rank: Option<usize>) -> Result<(DType, &[usize])> {
         let t = self.tensor(name)?;
         let d = elem_dtype(t.dtype).ok_or_else(|| {
-            CaseError(format!("`{name}`: expected dtype BF16, F16, F32 or F8_E4M3, found {:?}", t.dtype))
+            CaseError(format!("`{name}`: expected dtype BF16, F16, F32 or F8_E4M3, found {}", t.dtype))
         })?;
         if let Some(r) = rank
             && t.shape.len() != r
@@ -287,7 +386,7 @@ impl Case {
             Some(DType::BF16) => decode::<bf16>(&t.data).iter().map(|v| v.to_f32()).collect(),
             Some(DType::F16) => decode::<f16>(&t.data).iter().map(|v| v.to_f32()).collect(),
             Some(DType::F8E4M3) => decode::<E4M3>(&t.data).iter().map(|v| v.to_f32()).collect(),
-            None => return err(format!("`{name}`: expected dtype BF16, F16 or F32, found {:?}", t.dtype)),
+            None => return err(format!("`{name}`: expected dtype BF16, F16 or F32, found {}", t.dtype)),
         })
     }
 
@@ -317,7 +416,7 @@ impl Case {
             ));
         }
         let cols = t.shape[1];
-        Ok((self.u32s("kv_lookup_table", None)?, cols, lens))
+        Ok((self.u32s("kv_lookup_table", Some(&[lens.len(), cols]))?, cols, lens))
     }
 
     /// A block-scaled operand: data (U8 packed, F4 or F8_E4M3) and 5-D scales (U8, F8_E4M3 or F8_E8M0).
@@ -327,21 +426,21 @@ impl Case {
             return err(format!("`{data}`: expected rank 2, found shape {}", dims(&t.shape)));
         }
         let (rows, k) = match (format.is_fp4(), t.dtype) {
-            (true, St::U8) => (t.shape[0], 2 * t.shape[1]),
-            (true, St::F4) => (t.shape[0], t.shape[1]),
-            (false, St::U8 | St::F8_E4M3) => (t.shape[0], t.shape[1]),
+            (true, Dtype::U8) => (t.shape[0], 2 * t.shape[1]),
+            (true, Dtype::F4) => (t.shape[0], t.shape[1]),
+            (false, Dtype::U8 | Dtype::F8E4M3) => (t.shape[0], t.shape[1]),
             (true, d) => {
                 return err(format!(
-                    "`{data}`: expected dtype U8 ([rows, K/2]) or F4 for {}, found {d:?}",
+                    "`{data}`: expected dtype U8 ([rows, K/2]) or F4 for {}, found {d}",
                     format.name()
                 ));
             }
-            (false, d) => return err(format!("`{data}`: expected dtype F8_E4M3 or U8 for mxfp8, found {d:?}")),
+            (false, d) => return err(format!("`{data}`: expected dtype F8_E4M3 or U8 for mxfp8, found {d}")),
         };
         let s = self.tensor(scales)?;
         let ok_dtype = match format {
-            BlockFormat::Nvfp4 => matches!(s.dtype, St::U8 | St::F8_E4M3),
-            _ => matches!(s.dtype, St::U8 | St::F8_E8M0),
+            BlockFormat::Nvfp4 => matches!(s.dtype, Dtype::U8 | Dtype::F8E4M3),
+            _ => matches!(s.dtype, Dtype::U8 | Dtype::F8E8M0),
         };
         if !ok_dtype {
             let want = if format == BlockFormat::Nvfp4 { "F8_E4M3 or U8" } else { "F8_E8M0 or U8" };
@@ -453,66 +552,32 @@ impl Case {
                     _ => reference::qkv_fp4_ragged(&args, out, kv, Self::acc(mode))?,
                 }
             }
-            Op::QkvRagged => {
-                let (_, xs) = self.float_info("hidden_state", Some(2))?;
-                let (m, k) = (xs[0], xs[1]);
-                let (_, ws) = self.float_info("weight", Some(2))?;
-                if ws[1] != k {
-                    return err(format!("`weight`: expected shape [N, {k}], found {}", dims(ws)));
+            Op::QkvRagged | Op::QkvBshd => {
+                let (xd, _) = self.float_info("hidden_state", None)?;
+                match xd {
+                    DType::F32 => self.qkv_plain::<f32, O, C>(out, kv, mode, exec)?,
+                    DType::BF16 => self.qkv_plain::<bf16, O, C>(out, kv, mode, exec)?,
+                    DType::F16 => self.qkv_plain::<f16, O, C>(out, kv, mode, exec)?,
+                    DType::F8E4M3 => self.qkv_plain::<E4M3, O, C>(out, kv, mode, exec)?,
                 }
-                let (_, os) = self.float_info("output", Some(2))?;
-                if os[0] != m {
-                    return err(format!("`output`: expected shape [{m}, q_dim], found {}", dims(os)));
-                }
-                let bias = if self.tensors.contains_key("bias") {
-                    self.expect_shape("bias", &[ws[0]])?;
-                    Some(self.floats_f32("bias")?)
-                } else {
-                    None
-                };
-                let (x, w, offsets) = (
-                    self.floats_f32("hidden_state")?,
-                    self.floats_f32("weight")?,
-                    self.u32s("input_row_offsets", None)?,
-                );
-                let args = ops::QkvRaggedArgs {
-                    hidden_state: &x,
-                    input_row_offsets: &offsets,
-                    weight: &w,
-                    hidden_size: k,
-                    bias: bias.as_deref(),
-                    q_dim: os[1],
-                };
-                reference::qkv_ragged(&args, out, kv, Self::acc(mode))?;
-            }
-            Op::QkvBshd => {
-                let (_, xs) = self.float_info("hidden_state", Some(3))?;
-                let (b, s, k) = (xs[0], xs[1], xs[2]);
-                let (_, ws) = self.float_info("weight", Some(2))?;
-                if ws[1] != k {
-                    return err(format!("`weight`: expected shape [N, {k}], found {}", dims(ws)));
-                }
-                let (_, os) = self.float_info("output", Some(3))?;
-                if os[..2] != [b, s] {
-                    return err(format!("`output`: expected shape [{b}, {s}, q_dim], found {}", dims(os)));
-                }
-                let valid = self.u32s("valid_lengths", Some(&[b]))?;
-                let (x, w) = (self.floats_f32("hidden_state")?, self.floats_f32("weight")?);
-                let args = ops::QkvBshdArgs {
-                    hidden_state: &x,
-                    batch: b,
-                    seq_len: s,
-                    hidden_size: k,
-                    weight: &w,
-                    valid_lengths: &valid,
-                    q_dim: os[2],
-                };
-                reference::qkv_bshd(&args, out, kv, Self::acc(mode))?;
             }
             Op::RopeBshd => {
                 let (qd, qs) = self.float_info("q_proj", Some(4))?;
                 let (od, os) = self.float_info("output", Some(4))?;
-                let (fd, _) = self.float_info("freqs_cis", Some(2))?;
+                let (fd, fs) = self.float_info("freqs_cis", Some(2))?;
+                let hd = kv.cache.shape().head_size();
+                if qs[3] != hd {
+                    return err(format!(
+                        "`q_proj`: expected shape [batch, seq_len, heads, {hd}] (the cache's head size), found {}",
+                        dims(qs)
+                    ));
+                }
+                if fs[1] != hd {
+                    return err(format!(
+                        "`freqs_cis`: expected shape [rows, {hd}] (the cache's head size), found {}",
+                        dims(fs)
+                    ));
+                }
                 if od != qd || fd != qd || os != qs {
                     return err(format!(
                         "`output`/`freqs_cis`: expected the dtype and shape of q_proj ({}, {}), found output {} {}, freqs_cis {}",
@@ -588,6 +653,17 @@ impl Case {
                     Some(s) => return err(format!("`__metadata__.cache`: expected `k` or `v`, found `{s}`")),
                 };
                 let values = self.floats_f32("hidden_state")?;
+                let shape = kv.cache.shape();
+                let (hkv, hd) = (shape.num_kv_heads(), shape.head_size());
+                let rank = if self.op == Op::KvStoreRagged { 3 } else { 4 };
+                let (_, xs) = self.float_info("hidden_state", Some(rank))?;
+                if xs[rank - 2..] != [hkv, hd] {
+                    return err(format!(
+                        "`hidden_state`: expected shape [{}, {hkv}, {hd}] (the cache's heads), found {}",
+                        if rank == 3 { "M" } else { "batch, seq_len" },
+                        dims(xs)
+                    ));
+                }
                 if self.op == Op::KvStoreRagged {
                     let offsets = self.u32s("input_row_offsets", None)?;
                     reference::kv_store_ragged(
@@ -595,7 +671,6 @@ impl Case {
                         kv,
                     )?;
                 } else {
-                    let (_, xs) = self.float_info("hidden_state", Some(4))?;
                     let valid = self.u32s("valid_lengths", Some(&[xs[0]]))?;
                     let args = ops::KvStoreBshdArgs {
                         values: &values,
@@ -611,6 +686,69 @@ impl Case {
         Ok(())
     }
 
+    /// `qkv_ragged` / `qkv_bshd` with activations, weight and bias of one dtype `T` (as MAX).
+    fn qkv_plain<T: Element, O: Element, C: Element>(
+        &self,
+        out: &mut [O],
+        kv: &mut KvWrite<'_, C>,
+        mode: Mode,
+        exec: Exec,
+    ) -> Result<()> {
+        let ragged = self.op == Op::QkvRagged;
+        let rank = if ragged { 2 } else { 3 };
+        let (_, xs) = self.float_info("hidden_state", Some(rank))?;
+        let k = xs[rank - 1];
+        let x: Vec<T> = self.typed("hidden_state")?;
+        let w: Vec<T> = self.typed("weight")?;
+        let (_, ws) = self.float_info("weight", Some(2))?;
+        if ws[1] != k {
+            return err(format!("`weight`: expected shape [N, {k}], found {}", dims(ws)));
+        }
+        let (_, os) = self.float_info("output", Some(rank))?;
+        if os[..rank - 1] != xs[..rank - 1] {
+            let lead: Vec<String> = xs[..rank - 1].iter().map(|d| d.to_string()).collect();
+            return err(format!("`output`: expected shape [{}, q_dim], found {}", lead.join(", "), dims(os)));
+        }
+        let q_dim = os[rank - 1];
+        if ragged {
+            let bias = if self.tensors.contains_key("bias") {
+                self.expect_shape("bias", &[ws[0]])?;
+                Some(self.typed::<T>("bias")?)
+            } else {
+                None
+            };
+            let offsets = self.u32s("input_row_offsets", None)?;
+            let args = ops::QkvRaggedArgs {
+                hidden_state: &x,
+                input_row_offsets: &offsets,
+                weight: &w,
+                hidden_size: k,
+                bias: bias.as_deref(),
+                q_dim,
+            };
+            match mode {
+                Mode::Fast => fast::qkv_ragged(&args, out, kv, exec)?,
+                _ => reference::qkv_ragged(&args, out, kv, Self::acc(mode))?,
+            }
+        } else {
+            let valid = self.u32s("valid_lengths", Some(&[xs[0]]))?;
+            let args = ops::QkvBshdArgs {
+                hidden_state: &x,
+                batch: xs[0],
+                seq_len: xs[1],
+                hidden_size: k,
+                weight: &w,
+                valid_lengths: &valid,
+                q_dim,
+            };
+            match mode {
+                Mode::Fast => fast::qkv_bshd(&args, out, kv, exec)?,
+                _ => reference::qkv_bshd(&args, out, kv, Self::acc(mode))?,
+            }
+        }
+        Ok(())
+    }
+
     /// Which elements of `output` and of `kv_blocks` the op writes. Meaningful for a case that
     /// [`run`](Self::run)s; on an inconsistent one it returns an error or a partial mask, never panics.
     pub fn written(&self) -> Result<(Vec<bool>, Vec<bool>)> {
@@ -621,28 +759,39 @@ impl Case {
         let out_len = if self.op.has_output() { self.tensor("output")?.shape.iter().product() } else { 0 };
         let mut out_mask = vec![self.op != Op::RopeBshd; out_len];
         let mut cache_mask = vec![false; shape.len()];
-        // Rows (b, t, writes) in the op's row order.
+        // Rows (b, t, writes) in the op's row order. Every count comes from a tensor whose other
+        // dimensions are non-zero, so it is bounded by the bytes of the file.
+        let nonzero = |name: &str, sh: &[usize], from: usize| -> Result<()> {
+            if sh.len() <= from || sh[from..].contains(&0) {
+                return err(format!(
+                    "`{name}`: expected non-zero dimensions after the first {from}, found {}",
+                    dims(sh)
+                ));
+            }
+            Ok(())
+        };
         let rows: Vec<(usize, usize, bool)> = match self.op {
             Op::QkvBshd | Op::RopeBshd | Op::KvStoreBshd => {
                 let x = if self.op == Op::RopeBshd { "q_proj" } else { "hidden_state" };
                 let sh = &self.tensor(x)?.shape;
-                if sh.get(2..).is_some_and(|rest| rest.contains(&0)) {
-                    return err(format!("`{x}`: expected non-zero dimensions, found {}", dims(sh)));
-                }
-                let s = sh.get(1).copied().unwrap_or(0);
-                let valid = self.u32s("valid_lengths", None)?;
+                nonzero(x, sh, 2)?;
+                let valid = self.u32s("valid_lengths", Some(&sh[..1]))?;
+                let s = sh[1];
                 valid.iter().enumerate().flat_map(|(b, &v)| (0..s).map(move |t| (b, t, t < v as usize))).collect()
             }
             _ => {
-                // The row count comes from a tensor (bounded by the file), never from the offsets.
                 let x = if self.op == Op::RopeRagged { "q_proj" } else { "hidden_state" };
-                let m = self.tensor(x)?.shape.first().copied().unwrap_or(0);
+                let sh = &self.tensor(x)?.shape;
+                nonzero(x, sh, 1)?;
                 let offsets = self.u32s("input_row_offsets", None)?;
-                ops::ragged_rows(&offsets, m)?.into_iter().map(|(b, t)| (b, t, true)).collect()
+                ops::ragged_rows(&offsets, sh[0])?.into_iter().map(|(b, t)| (b, t, true)).collect()
             }
         };
+        if matches!(self.op, Op::QkvFp4Ragged | Op::QkvRagged | Op::QkvBshd) {
+            nonzero("weight", &self.tensor("weight")?.shape, 1)?;
+        }
         let plan = SlotPlan::build(&table, &shape, layer, &rows)?;
-        let (hd, kvw) = (shape.head_size(), shape.kv_width());
+        let hd = shape.head_size();
         let row_len = if out_len > 0 { out_len / rows.len().max(1) } else { 0 };
         for (r, slot) in plan.rows.iter().enumerate() {
             if self.op == Op::RopeBshd
@@ -663,13 +812,8 @@ impl Case {
                     let n = self.weight_rows()?;
                     let q_dim = self.tensor("output")?.shape.last().copied().unwrap_or(0);
                     for j in 0..n.saturating_sub(q_dim) {
-                        if shape.is_mla() {
-                            mark(0, 0, j)
-                        } else if j < kvw {
-                            mark(0, j / hd, j % hd)
-                        } else {
-                            mark(1, (j - kvw) / hd, (j - kvw) % hd)
-                        }
+                        let (kv, h, d) = shape.kv_column(j);
+                        mark(kv as usize, h, d)
                     }
                 }
                 Op::RopeBshd | Op::RopeRagged => {
@@ -702,23 +846,29 @@ impl Case {
         Ok(self.tensor("weight")?.shape.first().copied().unwrap_or(0))
     }
 
-    /// Names an element of `output` for reports: `(token t, head h, dim d)` or `((b, s), head, dim)`.
+    /// Names an element of `output` for reports: `(token t, head h, dim d)` or `((b, s), head, dim)`
+    /// (`#i` when the case's shapes cannot name it).
     pub fn name_output(&self, i: usize) -> String {
-        let Ok(t) = self.tensor("output") else { return format!("#{i}") };
+        let fallback = || format!("#{i}");
+        let Ok(t) = self.tensor("output") else { return fallback() };
         let hd = self.cache_shape().map(|(s, _)| s.head_size()).unwrap_or(1);
-        match (self.op, t.shape.as_slice()) {
-            (Op::RopeBshd, [_, s, h, d]) => {
-                let (bs, rest) = (i / (h * d), i % (h * d));
-                format!("((b {}, s {}), head {}, dim {})", bs / s, bs % s, rest / d, rest % d)
-            }
-            (Op::RopeRagged, [_, h, d]) => format!("(token {}, head {}, dim {})", i / (h * d), (i / d) % h, i % d),
-            (Op::QkvBshd, [_, s, q]) => {
-                let (bs, c) = (i / q, i % q);
-                format!("((b {}, s {}), head {}, dim {})", bs / s, bs % s, c / hd, c % hd)
-            }
-            (_, [_, q]) => format!("(token {}, head {}, dim {})", i / q, (i % q) / hd, (i % q) % hd),
-            _ => format!("#{i}"),
-        }
+        let div = |a: usize, b: usize| a.checked_div(b);
+        let named = match (self.op, t.shape.as_slice()) {
+            (Op::RopeBshd, &[_, s, h, d]) => h.checked_mul(d).and_then(|hd2| {
+                let (bs, rest) = (div(i, hd2)?, i % hd2);
+                Some(format!("((b {}, s {}), head {}, dim {})", div(bs, s)?, bs % s, div(rest, d)?, rest % d))
+            }),
+            (Op::RopeRagged, &[_, h, d]) => h
+                .checked_mul(d)
+                .and_then(|hd2| Some(format!("(token {}, head {}, dim {})", div(i, hd2)?, div(i, d)? % h, i % d))),
+            (Op::QkvBshd, &[_, s, q]) => (|| {
+                let (bs, c) = (div(i, q)?, i % q);
+                Some(format!("((b {}, s {}), head {}, dim {})", div(bs, s)?, bs % s, c / hd, c % hd))
+            })(),
+            (_, &[_, q]) => div(i, q).map(|t| format!("(token {t}, head {}, dim {})", (i % q) / hd, (i % q) % hd)),
+            _ => None,
+        };
+        named.unwrap_or_else(fallback)
     }
 
     /// Names an element of `kv_blocks`: `(layer, K/V, block, slot, head, dim)`.
@@ -773,7 +923,7 @@ fn ordered(bits: u32, width_bits: u32) -> i64 {
 }
 
 fn to_f64s(t: &Tensor) -> Result<(Vec<f64>, Vec<u32>, u32)> {
-    let d = elem_dtype(t.dtype).ok_or_else(|| CaseError(format!("unsupported dtype {:?}", t.dtype)))?;
+    let d = elem_dtype(t.dtype).ok_or_else(|| CaseError(format!("unsupported dtype {}", t.dtype)))?;
     let (vals, bits): (Vec<f64>, Vec<u32>) = match d {
         DType::F32 => decode::<f32>(&t.data).iter().map(|v| (v.to_f32() as f64, v.to_bits())).unzip(),
         DType::BF16 => decode::<bf16>(&t.data).iter().map(|v| (v.to_f32() as f64, Element::to_bits(*v))).unzip(),
@@ -795,7 +945,7 @@ pub fn compare(
 ) -> Result<TensorReport> {
     if got.dtype != want.dtype || got.shape != want.shape {
         return err(format!(
-            "expected `{name}`: expected {:?} {}, found {:?} {}",
+            "actual `{name}`: expected {} {}, found {} {}",
             want.dtype,
             dims(&want.shape),
             got.dtype,
@@ -911,50 +1061,49 @@ pub fn model(name: &str) -> Option<ModelShape> {
     MODELS.into_iter().find(|m| m.name == name)
 }
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-    fn normal(&mut self) -> f32 {
-        (0..4).map(|_| (self.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5).sum::<f32>() * 1.732
-    }
+/// An approximately normal value (mean 0, variance 1) from four uniforms: bell-shaped enough for
+/// activations and weights, and cheap.
+pub fn normal(rng: &mut fastrand::Rng) -> f32 {
+    (0..4).map(|_| rng.f32() - 0.5).sum::<f32>() * 1.732
 }
 
-/// A RoPE table as MAX builds it: row p = cos(p θ_i), sin(p θ_i) interleaved, θ_i = theta^(−2i/d).
-pub fn freqs_cis(rows: usize, dim: usize, theta: f64) -> Vec<f32> {
-    let mut f = Vec::with_capacity(rows * dim);
-    for p in 0..rows {
-        for i in 0..dim / 2 {
-            let a = p as f32 * theta.powf(-2.0 * i as f64 / dim as f64) as f32;
-            f.push(a.cos());
-            f.push(a.sin());
-        }
-    }
-    f
+pub use crate::ops::freqs_cis;
+
+/// Options of [`make_with`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MakeOptions {
+    /// Store E4M3 data and scales as `F8_E4M3` and E8M0 scales as `F8_E8M0` instead of `U8`.
+    /// `U8` (the default) is what `safetensors.numpy` can load; the reader accepts both.
+    pub f8_dtypes: bool,
+}
+
+/// Writes a realistic random case of `op` for `m` (see [`make_with`]), with FP8 bytes as U8.
+pub fn make(op: Op, m: ModelShape, batch: usize, seed: u64, format: BlockFormat) -> Result<Case> {
+    make_with(op, m, batch, seed, format, MakeOptions::default())
 }
 
 /// Writes a realistic random case of `op` for `model`: `batch` sequences of a few new tokens
 /// after random cached lengths, pages scattered over a bf16 cache of 2 layers (layer 1 written),
 /// with one extra block as MAX's null-block sentinel. FP4 operands are quantized with this crate's
 /// quantizers in `format`.
-pub fn make(op: Op, m: ModelShape, batch: usize, seed: u64, format: BlockFormat) -> Result<Case> {
-    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+pub fn make_with(
+    op: Op,
+    m: ModelShape,
+    batch: usize,
+    seed: u64,
+    format: BlockFormat,
+    opts: MakeOptions,
+) -> Result<Case> {
+    let mut rng = fastrand::Rng::with_seed(seed);
     let max_new = if m.name == "tiny" { 5 } else { 4 };
-    let lens: Vec<usize> = (0..batch).map(|b| if b == 2 { 0 } else { 1 + rng.below(max_new) }).collect();
-    let cache_lengths: Vec<u32> = (0..batch).map(|_| rng.below(3 * m.page) as u32).collect();
+    let lens: Vec<usize> = (0..batch).map(|b| if b == 2 { 0 } else { 1 + rng.usize(..max_new) }).collect();
+    let cache_lengths: Vec<u32> = (0..batch).map(|_| rng.usize(..3 * m.page) as u32).collect();
     let pages: Vec<usize> = lens.iter().zip(&cache_lengths).map(|(&l, &c)| (c as usize + l).div_ceil(m.page)).collect();
     let cols = pages.iter().copied().max().unwrap_or(0) + 1;
     let num_blocks = pages.iter().sum::<usize>() + 1;
     let mut free: Vec<u32> = (0..num_blocks as u32 - 1).collect();
     for i in (1..free.len()).rev() {
-        let j = rng.below(i + 1);
+        let j = rng.usize(..i + 1);
         free.swap(i, j);
     }
     let mut lookup = vec![num_blocks as u32 - 1; batch * cols];
@@ -966,7 +1115,7 @@ pub fn make(op: Op, m: ModelShape, batch: usize, seed: u64, format: BlockFormat)
         }
     }
     let shape = CacheShape::mha(num_blocks, 2, m.page, m.kv_heads, m.head)?;
-    let kv: Vec<bf16> = (0..shape.len()).map(|_| bf16::from_f32(rng.normal() * 0.5)).collect();
+    let kv: Vec<bf16> = (0..shape.len()).map(|_| bf16::from_f32(normal(&mut rng) * 0.5)).collect();
     let mut t = BTreeMap::new();
     t.insert("kv_blocks".to_string(), Tensor::from_elements(shape.dims().to_vec(), &kv));
     t.insert("cache_lengths".into(), Tensor::from_u32(vec![batch], &cache_lengths));
@@ -980,7 +1129,8 @@ pub fn make(op: Op, m: ModelShape, batch: usize, seed: u64, format: BlockFormat)
     for &l in &lens {
         offsets.push(offsets[offsets.len() - 1] + l as u32);
     }
-    let randv = |rng: &mut Rng, n: usize, scale: f32| -> Vec<f32> { (0..n).map(|_| rng.normal() * scale).collect() };
+    let randv =
+        |rng: &mut fastrand::Rng, n: usize, scale: f32| -> Vec<f32> { (0..n).map(|_| normal(rng) * scale).collect() };
     let bf = |v: &[f32]| -> Vec<bf16> { v.iter().map(|&x| bf16::from_f32(x)).collect() };
     let max_pos = lens.iter().zip(&cache_lengths).map(|(&l, &c)| c as usize + l).max().unwrap_or(0);
     match op {
@@ -990,10 +1140,11 @@ pub fn make(op: Op, m: ModelShape, batch: usize, seed: u64, format: BlockFormat)
             let w = randv(&mut rng, n * k, 0.05);
             let a = quantize(format, &x, total, k, nvfp4_global_scale(amax(&x)))?;
             let wq = quantize(format, &w, n, k, nvfp4_global_scale(amax(&w)))?;
-            let (data_dt, scale_dt) = match format {
-                BlockFormat::Nvfp4 => (St::U8, St::F8_E4M3),
-                BlockFormat::Mxfp4 => (St::U8, St::F8_E8M0),
-                BlockFormat::Mxfp8 => (St::F8_E4M3, St::F8_E8M0),
+            let (data_dt, scale_dt) = match (opts.f8_dtypes, format) {
+                (false, _) => (Dtype::U8, Dtype::U8),
+                (true, BlockFormat::Nvfp4) => (Dtype::U8, Dtype::F8E4M3),
+                (true, BlockFormat::Mxfp4) => (Dtype::U8, Dtype::F8E8M0),
+                (true, BlockFormat::Mxfp8) => (Dtype::F8E4M3, Dtype::F8E8M0),
             };
             let cols_of = |rows: usize| vec![rows, format.row_bytes(k)];
             let lay = |rows: usize| ScaleLayout::for_operand(rows, k, format.vector_size()).shape().to_vec();
@@ -1071,10 +1222,13 @@ pub fn make(op: Op, m: ModelShape, batch: usize, seed: u64, format: BlockFormat)
 /// Reads the tensors of any safetensors file (e.g. a GPU kernel's dump), without requiring `op`.
 pub fn load_tensors(bytes: &[u8]) -> Result<BTreeMap<String, Tensor>> {
     let st = SafeTensors::deserialize(bytes).map_err(|e| CaseError(format!("not a valid safetensors file: {e}")))?;
-    Ok(st
-        .iter()
-        .map(|(n, v)| (n.to_string(), Tensor { dtype: v.dtype(), shape: v.shape().to_vec(), data: v.data().to_vec() }))
-        .collect())
+    st.iter()
+        .map(|(n, v)| {
+            let dtype = Dtype::from_st(v.dtype())
+                .ok_or_else(|| CaseError(format!("`{n}`: unsupported dtype {:?}", v.dtype())))?;
+            Ok((n.to_string(), Tensor { dtype, shape: v.shape().to_vec(), data: v.data().to_vec() }))
+        })
+        .collect()
 }
 
 /// Serialises named tensors (e.g. `run`'s result) with optional metadata.
@@ -1082,7 +1236,7 @@ pub fn save_tensors(tensors: &BTreeMap<String, Tensor>, meta: Option<BTreeMap<St
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
         .map(|(n, t)| {
-            TensorView::new(t.dtype, t.shape.clone(), &t.data)
+            TensorView::new(t.dtype.to_st(), t.shape.clone(), &t.data)
                 .map(|v| (n.clone(), v))
                 .map_err(|e| CaseError(format!("`{n}`: {e}")))
         })

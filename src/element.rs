@@ -37,9 +37,22 @@ impl DType {
     }
 }
 
-/// A scalar the operations read or write. Conversions round to nearest, ties to even, once;
-/// casts into FP8 saturate to ±448.
-pub trait Element: Copy + Send + Sync + PartialEq + std::fmt::Debug + Default + 'static {
+mod sealed {
+    /// Only this crate implements [`Element`](super::Element): the "rounded once" promise of every
+    /// operation rests on its conversions.
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for crate::formats::fp8::E4M3 {}
+}
+
+/// A scalar the operations read or write: `f32`, [`bf16`], [`f16`] or [`E4M3`]. Conversions round
+/// to nearest, ties to even, once; casts into FP8 saturate to ±448.
+///
+/// The trait is sealed: the operations promise one rounding per value, which depends on these
+/// four implementations.
+pub trait Element: sealed::Sealed + Copy + Send + Sync + PartialEq + std::fmt::Debug + Default + 'static {
     /// This type's [`DType`].
     const DTYPE: DType;
     /// Exact widening to f32.

@@ -1,5 +1,6 @@
 //! The crate's one error type. Every rejection names the argument, what was expected and what was found.
 
+use crate::formats::BlockFormat;
 use std::fmt;
 
 /// A (batch, position) pair naming one token of a call: `position` is the cache position
@@ -17,14 +18,15 @@ pub struct TokenRef {
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub enum Error {
-    /// A tensor's length or a dimension disagrees with what the other arguments imply.
+    /// A tensor's length or rank disagrees with what the other arguments imply.
     Shape {
         /// The argument (MAX's name where there is one).
         arg: &'static str,
         /// What the other arguments imply.
-        expected: String,
-        /// What was passed.
-        found: String,
+        expected: Expected,
+        /// What was passed: the length of the slice (elements or entries), or for
+        /// [`Expected::Rank`] the rank.
+        found: usize,
     },
     /// A dimension that is invalid on its own (zero, odd where it must be even, too large).
     InvalidDim {
@@ -114,10 +116,16 @@ pub enum Error {
         /// Rows of `freqs_cis`.
         rows: usize,
     },
-    /// Operands disagree on the block-scaled format or on K.
+    /// The activations and the weight disagree on the block-scaled format or on K.
     FormatMismatch {
-        /// What disagrees.
-        what: String,
+        /// The activations' format (`hidden_state`).
+        hidden_state: BlockFormat,
+        /// The activations' logical K.
+        hidden_k: usize,
+        /// The weight's format.
+        weight: BlockFormat,
+        /// The weight's logical K.
+        weight_k: usize,
     },
     /// A value that must be finite is NaN or infinite.
     NonFinite {
@@ -133,12 +141,41 @@ pub enum Error {
     },
 }
 
+/// What a [`Error::Shape`] expected.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Expected {
+    /// Exactly these dimensions (row-major; the length is their product).
+    Dims(Vec<usize>),
+    /// Any whole number of rows of this width (e.g. `[N, hidden_size]`, `[rows, rope_dim]`).
+    RowsOf(usize),
+    /// At least this many entries.
+    AtLeast(usize),
+    /// This rank.
+    Rank(usize),
+}
+
+impl fmt::Display for Expected {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Expected::Dims(d) => match d.iter().try_fold(1usize, |a, &x| a.checked_mul(x)) {
+                Some(n) => write!(f, "{n} elements ({d:?})"),
+                None => write!(f, "{d:?} (overflows usize)"),
+            },
+            Expected::RowsOf(w) => write!(f, "a multiple of {w} elements ([rows, {w}])"),
+            Expected::AtLeast(n) => write!(f, "at least {n} entries"),
+            Expected::Rank(r) => write!(f, "rank {r}"),
+        }
+    }
+}
+
 /// `Result` with this crate's [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
-    pub(crate) fn shape(arg: &'static str, expected: impl fmt::Display, found: impl fmt::Display) -> Self {
-        Error::Shape { arg, expected: expected.to_string(), found: found.to_string() }
+    /// `arg` must have exactly `dims`; it has `found` elements.
+    pub(crate) fn dims(arg: &'static str, dims: &[usize], found: usize) -> Self {
+        Error::Shape { arg, expected: Expected::Dims(dims.to_vec()), found }
     }
 
     pub(crate) fn dim(arg: &'static str, reason: impl Into<String>) -> Self {
@@ -149,17 +186,21 @@ impl Error {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            Error::Shape { arg, expected: Expected::Rank(r), found } => {
+                write!(f, "`{arg}`: expected rank {r}, found rank {found}")
+            }
             Error::Shape { arg, expected, found } => {
-                write!(f, "`{arg}`: expected {expected}, found {found}")
+                write!(f, "`{arg}`: expected {expected}, found {found} elements")
             }
             Error::InvalidDim { arg, reason } => write!(f, "`{arg}`: {reason}"),
             Error::RowOffsets { index, reason } => {
                 write!(f, "`input_row_offsets[{index}]`: {reason}")
             }
+            // u128: the sum of two usize values never overflows it (the inputs may be anything).
             Error::ColumnSplit { n, q_dim, kv_width, mla: false } => write!(
                 f,
                 "`weight`: N = {n} rows, expected q_dim + 2*kv_dim = {q_dim} + 2*{kv_width} = {}",
-                q_dim + 2 * kv_width
+                *q_dim as u128 + 2 * *kv_width as u128
             ),
             Error::ColumnSplit { n, q_dim, kv_width, mla: true } => write!(
                 f,
@@ -189,7 +230,12 @@ impl fmt::Display for Error {
             Error::FreqsRows { position, rows } => {
                 write!(f, "`freqs_cis`: position {position} needs row {position}, the table has {rows} rows")
             }
-            Error::FormatMismatch { what } => write!(f, "format mismatch: {what}"),
+            Error::FormatMismatch { hidden_state, hidden_k, weight, weight_k } => write!(
+                f,
+                "format mismatch: hidden_state is {} with K = {hidden_k}, weight is {} with K = {weight_k}",
+                hidden_state.name(),
+                weight.name()
+            ),
             Error::NonFinite { arg, index } => {
                 write!(f, "`{arg}`: element {index} is not finite")
             }

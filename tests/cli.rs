@@ -1,8 +1,8 @@
 //! The `paged-qkv` binary end to end: make-case → run → check, perturbed and corrupted results,
 //! malformed files (never a panic; exit 2 with a one-line message), numpy-style U8 scales.
 
+use paged_qkv::case::Dtype;
 use paged_qkv::case::{self, Case, Tensor};
-use safetensors::Dtype;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -59,14 +59,14 @@ fn every_op_runs_and_checks_against_itself() {
         let out = d.join(format!("{op}-{fmt}-out.safetensors"));
         let o = run(&["run", p(&c), "-o", p(&out), "--threads", "2"]);
         assert!(o.status.success(), "{op}: {}", String::from_utf8_lossy(&o.stderr));
-        let o = run(&["check", p(&c), "--expected", p(&out)]);
+        let o = run(&["check", p(&c), "--actual", p(&out)]);
         let text = String::from_utf8_lossy(&o.stdout);
         assert_eq!(o.status.code(), Some(0), "{op} {fmt}: {text}");
         assert!(text.contains("verdict: PASS"), "{text}");
         // The reference run itself (sequential mode) is bit-identical to its own check.
         let o = run(&["run", p(&c), "-o", p(&out), "--mode", "exact"]);
         assert!(o.status.success());
-        let o = run(&["check", p(&c), "--expected", p(&out), "--ulps", "0"]);
+        let o = run(&["check", p(&c), "--actual", p(&out), "--ulps", "0"]);
         assert_eq!(o.status.code(), Some(0), "{op} exact vs exact: {}", String::from_utf8_lossy(&o.stdout));
     }
 }
@@ -92,7 +92,7 @@ fn a_perturbed_result_fails_and_names_the_position() {
         let w = half::bf16::from_f32(v.to_f32() + 3.0).to_le_bytes();
         o.data[2 * idx..2 * idx + 2].copy_from_slice(&w);
     });
-    let o = run(&["check", p(&c), "--expected", p(&out)]);
+    let o = run(&["check", p(&c), "--actual", p(&out)]);
     let text = String::from_utf8_lossy(&o.stdout);
     assert_eq!(o.status.code(), Some(1), "{text}");
     assert!(text.contains(&case.name_output(idx)), "position {} not named in:\n{text}", case.name_output(idx));
@@ -106,7 +106,7 @@ fn a_perturbed_result_fails_and_names_the_position() {
         let kv = t.get_mut("kv_blocks").unwrap();
         kv.data[2 * i] ^= 0x40;
     });
-    let o = run(&["check", p(&c), "--expected", p(&out)]);
+    let o = run(&["check", p(&c), "--actual", p(&out)]);
     let text = String::from_utf8_lossy(&o.stdout);
     assert_eq!(o.status.code(), Some(1), "{text}");
     assert!(text.contains("CORRUPTION") && text.contains(&case.name_cache(i)), "{text}");
@@ -172,7 +172,9 @@ fn malformed_files_are_clear_errors() {
     case.tensors.insert("kv_lookup_table".into(), lut);
     // A page table entry past the cache: the library's validation, in one line.
     let mut lut = case.tensors["kv_lookup_table"].clone();
-    lut.data[..4].copy_from_slice(&10_000u32.to_le_bytes());
+    for e in lut.data.chunks_exact_mut(4) {
+        e.copy_from_slice(&10_000u32.to_le_bytes());
+    }
     let mut c2 = case.clone();
     c2.tensors.insert("kv_lookup_table".into(), lut);
     expect_bad(&save(&c2, "block.safetensors"), "kv_lookup_table");
@@ -185,24 +187,88 @@ fn malformed_files_are_clear_errors() {
     expect_bad(&f, "`__metadata__.op`");
 }
 
+/// `make-case` writes FP8 bytes as U8 (what `safetensors.numpy` loads) unless `--f8-dtypes`; the
+/// reader takes both spellings and gives the same results.
 #[test]
-fn numpy_style_u8_scales_load() {
+fn u8_by_default_and_f8_dtypes_still_load() {
     let d = dir("u8");
-    let c = make(&d, "qkv_fp4_ragged", "nvfp4");
-    let out_f8 = d.join("f8.out");
-    assert!(run(&["run", p(&c), "-o", p(&out_f8)]).status.success());
-    let mut case = Case::from_bytes(&std::fs::read(&c).unwrap()).unwrap();
-    for name in ["input_scale", "weight_scale"] {
-        case.tensors.get_mut(name).unwrap().dtype = Dtype::U8;
+    for fmt in ["nvfp4", "mxfp8"] {
+        let c = make(&d, "qkv_fp4_ragged", fmt);
+        let case = Case::from_bytes(&std::fs::read(&c).unwrap()).unwrap();
+        for name in ["hidden_state", "weight", "input_scale", "weight_scale"] {
+            assert_eq!(case.tensors[name].dtype, Dtype::U8, "{fmt} {name}");
+        }
+        let f8 = d.join(format!("{fmt}-f8.safetensors"));
+        let o = run(&[
+            "make-case",
+            "--op",
+            "qkv_fp4_ragged",
+            "--model",
+            "tiny",
+            "--batch",
+            "3",
+            "--seed",
+            "7",
+            "--format",
+            fmt,
+            "--f8-dtypes",
+            "-o",
+            p(&f8),
+        ]);
+        assert!(o.status.success());
+        let f8_case = Case::from_bytes(&std::fs::read(&f8).unwrap()).unwrap();
+        let want = if fmt == "nvfp4" { Dtype::F8E4M3 } else { Dtype::F8E8M0 };
+        assert_eq!(f8_case.tensors["input_scale"].dtype, want);
+        let (out_u8, out_f8) = (d.join(format!("{fmt}-u8.out")), d.join(format!("{fmt}-f8.out")));
+        assert!(run(&["run", p(&c), "-o", p(&out_u8)]).status.success());
+        let o = run(&["run", p(&f8), "-o", p(&out_f8)]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let a = case::load_tensors(&std::fs::read(&out_f8).unwrap()).unwrap();
+        let b = case::load_tensors(&std::fs::read(&out_u8).unwrap()).unwrap();
+        assert_eq!(a, b);
     }
-    let u8_case = d.join("u8.safetensors");
-    std::fs::write(&u8_case, case.to_bytes().unwrap()).unwrap();
-    let out_u8 = d.join("u8.out");
-    let o = run(&["run", p(&u8_case), "-o", p(&out_u8)]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let a = case::load_tensors(&std::fs::read(&out_f8).unwrap()).unwrap();
-    let b = case::load_tensors(&std::fs::read(&out_u8).unwrap()).unwrap();
-    assert_eq!(a, b);
+}
+
+/// `check … | head -1`: a closed stdout ends the command quietly with its verdict's exit code.
+#[test]
+fn a_broken_pipe_ends_quietly_with_the_exit_code() {
+    let d = dir("pipe");
+    let c = make(&d, "qkv_fp4_ragged", "nvfp4");
+    let (good, bad) = (d.join("good.safetensors"), d.join("bad.safetensors"));
+    assert!(run(&["run", p(&c), "-o", p(&good)]).status.success());
+    assert!(run(&["run", p(&c), "-o", p(&bad)]).status.success());
+    edit(&bad, |t| t.get_mut("output").unwrap().data[1] ^= 0x40);
+    for (out, code) in [(&good, 0), (&bad, 1)] {
+        let mut child = bin()
+            .args(["check", p(&c), "--actual", p(out)])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take()); // the reader goes away before the first line is written
+        let o = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.is_empty(), "stderr must stay quiet: {err}");
+        assert_eq!(o.status.code(), Some(code), "{}", out.display());
+    }
+}
+
+/// Enumerated values: a typo is an error (exit 2) with a hint; `--expected` still works.
+#[test]
+fn enumerated_values_and_old_spellings() {
+    let d = dir("enums");
+    let o = run(&["make-case", "--op", "qkv_fp4_raged", "-o", p(&d.join("x"))]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(err.contains("qkv_fp4_ragged"), "hint expected: {err}");
+    let o = run(&["make-case", "--op", "qkv_bshd", "--model", "llama3", "-o", p(&d.join("x"))]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("llama3-8b"));
+    let c = make(&d, "qkv_bshd", "nvfp4");
+    let out = d.join("out.safetensors");
+    assert!(run(&["run", p(&c), "-o", p(&out)]).status.success());
+    let o = run(&["check", p(&c), "--expected", p(&out)]);
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stdout));
 }
 
 mod fuzzish {

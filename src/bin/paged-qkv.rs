@@ -2,21 +2,44 @@
 //! A thin layer over the library; `paged-qkv --help` lists the subcommands.
 
 use clap::{Parser, Subcommand, ValueEnum};
-use paged_qkv::case::{self, Case, Mode, Op, Tensor, Tolerance, ULP_BUCKETS};
-use paged_qkv::fast::{self, qkv_fp4_ragged_packed};
+use indicatif::{ProgressBar, ProgressStyle};
+use paged_qkv::case::{self, Case, MakeOptions, Mode, Op, Tensor, Tolerance, ULP_BUCKETS};
+use paged_qkv::fast::{self, PackedPlainWeights, QkvFp4PackedArgs, QkvRaggedPackedArgs};
 use paged_qkv::formats::quantize::{amax, nvfp4_global_scale, quantize};
 use paged_qkv::formats::scale_layout::ScaleLayout;
 use paged_qkv::formats::{BlockFormat, QuantizedMatrix};
 use paged_qkv::{
-    Accumulation, CacheShape, Exec, Isa, KvWrite, PackedWeights, PageTable, PagedKvCache, QkvFp4Args, QkvFp4PackedArgs,
-    RopeMath, RopeRaggedArgs, bf16, reference,
+    Accumulation, CacheShape, Element, Exec, Isa, KvWrite, PackedWeights, PageTable, PagedKvCache, QkvFp4Args,
+    RopeMath, RopeRaggedArgs, bf16, f16, reference,
 };
 use rayon::prelude::*;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// Set once stdout is a closed pipe (`paged-qkv check … | head -1`): later lines are dropped and
+/// the command still ends with its documented exit code.
+static STDOUT_CLOSED: AtomicBool = AtomicBool::new(false);
+
+/// `println!` that ends quietly on a broken pipe instead of panicking.
+macro_rules! outln {
+    () => { out_line(format_args!("")) };
+    ($($t:tt)*) => { out_line(format_args!($($t)*)) };
+}
+
+fn out_line(args: std::fmt::Arguments<'_>) {
+    if STDOUT_CLOSED.load(Ordering::Relaxed) {
+        return;
+    }
+    if let Err(e) = writeln!(std::io::stdout().lock(), "{args}") {
+        // A closed pipe or any other write failure: nobody reads this output any more.
+        let _ = e;
+        STDOUT_CLOSED.store(true, Ordering::Relaxed);
+    }
+}
 
 #[derive(Parser)]
 #[command(
@@ -31,8 +54,11 @@ struct Cli {
 
 #[derive(Clone, Copy, ValueEnum)]
 enum ModeArg {
+    /// The SIMD path where one exists, else the exact reference.
     Fast,
+    /// The reference in MAX's f32 order (RoPE: MAX's bf16 sequence).
     Sequential,
+    /// The reference with exact accumulation (RoPE: f32 math).
     Exact,
 }
 
@@ -46,6 +72,101 @@ impl From<ModeArg> for Mode {
     }
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+enum OpArg {
+    /// Block-scaled (NVFP4/MXFP4/MXFP8) fused QKV, ragged.
+    #[value(name = "qkv_fp4_ragged")]
+    QkvFp4Ragged,
+    /// bf16/f16/f32 fused QKV, ragged, with bias.
+    #[value(name = "qkv_ragged")]
+    QkvRagged,
+    /// bf16/f16/f32 fused QKV, padded BSHD.
+    #[value(name = "qkv_bshd")]
+    QkvBshd,
+    /// RoPE on Q and the new K, padded BSHD.
+    #[value(name = "rope_bshd")]
+    RopeBshd,
+    /// RoPE on Q and the new K, ragged.
+    #[value(name = "rope_ragged")]
+    RopeRagged,
+    /// Store K or V, ragged.
+    #[value(name = "kv_store_ragged")]
+    KvStoreRagged,
+    /// Store K or V, padded BSHD.
+    #[value(name = "kv_store_bshd")]
+    KvStoreBshd,
+}
+
+impl From<OpArg> for Op {
+    fn from(o: OpArg) -> Op {
+        match o {
+            OpArg::QkvFp4Ragged => Op::QkvFp4Ragged,
+            OpArg::QkvRagged => Op::QkvRagged,
+            OpArg::QkvBshd => Op::QkvBshd,
+            OpArg::RopeBshd => Op::RopeBshd,
+            OpArg::RopeRagged => Op::RopeRagged,
+            OpArg::KvStoreRagged => Op::KvStoreRagged,
+            OpArg::KvStoreBshd => Op::KvStoreBshd,
+        }
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ModelArg {
+    /// K 4096, 32 Q / 8 KV heads of 128.
+    #[value(name = "llama3-8b")]
+    Llama3_8b,
+    /// K 896, 14 Q / 2 KV heads of 64.
+    #[value(name = "qwen2.5-0.5b")]
+    Qwen2_5_0_5b,
+    /// K 64, 2 Q / 1 KV head of 16, pages of 4.
+    Tiny,
+}
+
+impl ModelArg {
+    fn shape(self) -> case::ModelShape {
+        let name = match self {
+            ModelArg::Llama3_8b => "llama3-8b",
+            ModelArg::Qwen2_5_0_5b => "qwen2.5-0.5b",
+            ModelArg::Tiny => "tiny",
+        };
+        case::MODELS.into_iter().find(|m| m.name == name).unwrap_or(case::MODELS[2])
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum FormatArg {
+    Nvfp4,
+    Mxfp4,
+    Mxfp8,
+}
+
+impl From<FormatArg> for BlockFormat {
+    fn from(f: FormatArg) -> BlockFormat {
+        match f {
+            FormatArg::Nvfp4 => BlockFormat::Nvfp4,
+            FormatArg::Mxfp4 => BlockFormat::Mxfp4,
+            FormatArg::Mxfp8 => BlockFormat::Mxfp8,
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DtypeArg {
+    /// Block-scaled NVFP4 weights and activations.
+    Nvfp4,
+    /// Block-scaled MXFP4.
+    Mxfp4,
+    /// Block-scaled MXFP8.
+    Mxfp8,
+    /// bf16 weights and activations.
+    Bf16,
+    /// f16 weights and activations.
+    F16,
+    /// f32 weights and activations.
+    F32,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Run the op of CASE and write OUT with `output` and the updated `kv_blocks`.
@@ -55,21 +176,21 @@ enum Cmd {
         /// Where to write the result.
         #[arg(short = 'o', long = "out")]
         out: PathBuf,
-        /// fast: the SIMD path where one exists (qkv_fp4_ragged), else the exact reference.
+        /// fast: the SIMD path where one exists (qkv_fp4_ragged, qkv_ragged, qkv_bshd), else the exact reference.
         #[arg(long, value_enum, default_value = "fast")]
         mode: ModeArg,
         /// Worker threads (default: all cores).
         #[arg(long)]
         threads: Option<usize>,
     },
-    /// Compare a GPU kernel's `output` and `kv_blocks` with the reference. Exit 0: within
+    /// Compare a GPU kernel's results (`output`, `kv_blocks`) with the reference. Exit 0: within
     /// tolerance, 1: not, 2: bad input.
     Check {
         /// The case file (the kernel's inputs).
         case: PathBuf,
-        /// The kernel's results (`output`, `kv_blocks`).
-        #[arg(long)]
-        expected: PathBuf,
+        /// The kernel's actual results (`output`, `kv_blocks`). `--expected` is the old spelling.
+        #[arg(long, alias = "expected")]
+        actual: PathBuf,
         /// Absolute tolerance.
         #[arg(long, default_value_t = 0.0)]
         atol: f64,
@@ -85,35 +206,45 @@ enum Cmd {
     },
     /// Write a realistic random case.
     MakeCase {
-        /// qkv_fp4_ragged, qkv_ragged, qkv_bshd, rope_bshd, rope_ragged, kv_store_ragged, kv_store_bshd.
-        #[arg(long)]
-        op: String,
-        /// llama3-8b, qwen2.5-0.5b or tiny.
-        #[arg(long, default_value = "tiny")]
-        model: String,
+        /// The operation.
+        #[arg(long, value_enum)]
+        op: OpArg,
+        /// The model shape.
+        #[arg(long, value_enum, default_value = "tiny")]
+        model: ModelArg,
         /// Sequences.
         #[arg(long, default_value_t = 3)]
         batch: usize,
         /// Random seed.
         #[arg(long, default_value_t = 0)]
         seed: u64,
-        /// Block format for qkv_fp4_ragged: nvfp4, mxfp4, mxfp8.
-        #[arg(long, default_value = "nvfp4")]
-        format: String,
+        /// Block format for qkv_fp4_ragged.
+        #[arg(long, value_enum, default_value = "nvfp4")]
+        format: FormatArg,
+        /// Store FP8 data and scales as F8_E4M3 / F8_E8M0 instead of U8 (U8 loads in safetensors.numpy).
+        #[arg(long)]
+        f8_dtypes: bool,
         /// Where to write the case.
         #[arg(short = 'o', long = "out")]
         out: PathBuf,
     },
     /// The crate's main job on a Llama-3-8B-shaped layer: prefill, then 32 decode steps.
-    Demo,
-    /// A quick table of the fast path's throughput, with the weight-read bandwidth as yardstick.
-    Bench {
-        /// llama3-8b, qwen2.5-0.5b or tiny.
-        #[arg(long, default_value = "llama3-8b")]
-        model: String,
+    Demo {
         /// Worker threads (default: all cores).
         #[arg(long)]
         threads: Option<usize>,
+    },
+    /// A quick table of the fast path's throughput, with the weight-read bandwidth as yardstick.
+    Bench {
+        /// The model shape.
+        #[arg(long, value_enum, default_value = "llama3-8b")]
+        model: ModelArg,
+        /// Worker threads (default: all cores).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// Weight formats to run (repeatable; default nvfp4 and mxfp4).
+        #[arg(long, value_enum)]
+        dtype: Vec<DtypeArg>,
     },
 }
 
@@ -143,16 +274,16 @@ fn pool(threads: Option<usize>) -> Result<rayon::ThreadPool, Bad> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let res = match cli.cmd.unwrap_or(Cmd::Demo) {
+    let res = match cli.cmd.unwrap_or(Cmd::Demo { threads: None }) {
         Cmd::Run { case, out, mode, threads } => run(&case, &out, mode.into(), threads).map(|_| 0),
-        Cmd::Check { case, expected, atol, rtol, ulps, mode } => {
-            check(&case, &expected, Tolerance { atol, rtol, ulps }, mode.into())
+        Cmd::Check { case, actual, atol, rtol, ulps, mode } => {
+            check(&case, &actual, Tolerance { atol, rtol, ulps }, mode.into())
         }
-        Cmd::MakeCase { op, model, batch, seed, format, out } => {
-            make_case(&op, &model, batch, seed, &format, &out).map(|_| 0)
+        Cmd::MakeCase { op, model, batch, seed, format, f8_dtypes, out } => {
+            make_case(op.into(), model.shape(), batch, seed, format.into(), f8_dtypes, &out).map(|_| 0)
         }
-        Cmd::Demo => demo().map(|_| 0),
-        Cmd::Bench { model, threads } => bench(&model, threads).map(|_| 0),
+        Cmd::Demo { threads } => pool(threads).and_then(|p| p.install(demo)).map(|_| 0),
+        Cmd::Bench { model, threads, dtype } => bench(model.shape(), threads, &dtype).map(|_| 0),
     };
     match res {
         Ok(code) => ExitCode::from(code),
@@ -177,18 +308,18 @@ fn run(case_path: &PathBuf, out: &PathBuf, mode: Mode, threads: Option<usize>) -
         "{}: wrote {} ({})",
         c.op.name(),
         out.display(),
-        if mode == Mode::Fast && c.op == Op::QkvFp4Ragged { "fast path" } else { "reference" }
+        if c.runs_fast(mode) { "fast path" } else { "reference" }
     );
     Ok(())
 }
 
-fn check(case_path: &PathBuf, expected: &PathBuf, tol: Tolerance, mode: Mode) -> Result<u8, Bad> {
+fn check(case_path: &PathBuf, actual: &PathBuf, tol: Tolerance, mode: Mode) -> Result<u8, Bad> {
     let c = Case::from_bytes(&read(case_path)?)?;
-    let exp = case::load_tensors(&read(expected)?)?;
+    let act = case::load_tensors(&read(actual)?)?;
     let (ref_out, ref_kv) = c.run(mode, Exec::default())?;
     let (out_mask, kv_mask) = c.written()?;
     let mut pass = true;
-    println!(
+    outln!(
         "paged-qkv check: op {}, reference mode {:?}, tolerance atol {} rtol {} ulps {}",
         c.op.name(),
         mode,
@@ -200,10 +331,10 @@ fn check(case_path: &PathBuf, expected: &PathBuf, tol: Tolerance, mode: Mode) ->
         |name: &str, got: &Tensor, want: &Tensor, mask: &[bool], input: Option<&Tensor>| -> Result<(), Bad> {
             let r = case::compare(name, got, want, mask, input, tol)?;
             let namer = |i: usize| if name == "output" { c.name_output(i) } else { c.name_cache(i) };
-            println!("{name}: {} elements compared ({:?})", r.compared, got.dtype);
+            outln!("{name}: {} elements compared ({})", r.compared, got.dtype);
             let at = |(v, i): (f64, usize)| if v > 0.0 { format!("{v:.3e} at {}", namer(i)) } else { "0".into() };
-            println!("  max abs error {}", at(r.max_abs));
-            println!("  max rel error {}", at(r.max_rel));
+            outln!("  max abs error {}", at(r.max_abs));
+            outln!("  max rel error {}", at(r.max_rel));
             let mut h = String::new();
             let mut lo = 0;
             for (i, &b) in ULP_BUCKETS.iter().enumerate() {
@@ -212,17 +343,17 @@ fn check(case_path: &PathBuf, expected: &PathBuf, tol: Tolerance, mode: Mode) ->
                 lo = b + 1;
             }
             h += &format!(">{}: {}  NaN mismatch: {}", ULP_BUCKETS[6], r.ulp_hist[7], r.ulp_hist[8]);
-            println!("  ULP histogram  {h}");
-            println!("  outside tolerance: {}", r.failures);
+            outln!("  ULP histogram  {h}");
+            outln!("  outside tolerance: {}", r.failures);
             for &(i, g, w, u) in &r.worst {
-                println!(
-                    "    {} got {g:e}, reference {w:e}, {} ulp",
+                outln!(
+                    "    {} actual {g:e}, reference {w:e}, {} ulp",
                     namer(i),
                     if u == u64::MAX { "NaN".into() } else { u.to_string() }
                 );
             }
             if !r.corrupted.is_empty() {
-                println!(
+                outln!(
                     "  CORRUPTION: {} elements outside the written slots changed, e.g. {}",
                     r.corrupted.len(),
                     namer(r.corrupted[0])
@@ -233,49 +364,52 @@ fn check(case_path: &PathBuf, expected: &PathBuf, tol: Tolerance, mode: Mode) ->
             }
             Ok(())
         };
+    let missing = |name: &str| Bad(format!("{} (actual results): `{name}`: missing tensor", actual.display()));
     if let Some(ro) = &ref_out {
-        let got = exp.get("output").ok_or_else(|| Bad(format!("{}: `output`: missing tensor", expected.display())))?;
+        let got = act.get("output").ok_or_else(|| missing("output"))?;
         report("output", got, ro, &out_mask, None)?;
     }
-    let got =
-        exp.get("kv_blocks").ok_or_else(|| Bad(format!("{}: `kv_blocks`: missing tensor", expected.display())))?;
+    let got = act.get("kv_blocks").ok_or_else(|| missing("kv_blocks"))?;
     report("kv_blocks", got, &ref_kv, &kv_mask, Some(c.tensor("kv_blocks")?))?;
-    println!("verdict: {}", if pass { "PASS" } else { "FAIL" });
+    outln!("verdict: {}", if pass { "PASS" } else { "FAIL" });
     Ok(if pass { 0 } else { 1 })
 }
 
-fn make_case(op: &str, model: &str, batch: usize, seed: u64, format: &str, out: &PathBuf) -> Result<(), Bad> {
-    let op = Op::from_name(op)
-        .ok_or_else(|| Bad(format!("--op: expected one of {}, found `{op}`", Op::ALL.map(Op::name).join(", "))))?;
-    let m = case::model(model)
-        .ok_or_else(|| Bad(format!("--model: expected llama3-8b, qwen2.5-0.5b or tiny, found `{model}`")))?;
-    let f = BlockFormat::from_name(format)
-        .ok_or_else(|| Bad(format!("--format: expected nvfp4, mxfp4 or mxfp8, found `{format}`")))?;
-    let c = case::make(op, m, batch, seed, f)?;
+fn make_case(
+    op: Op,
+    m: case::ModelShape,
+    batch: usize,
+    seed: u64,
+    f: BlockFormat,
+    f8_dtypes: bool,
+    out: &PathBuf,
+) -> Result<(), Bad> {
+    let c = case::make_with(op, m, batch, seed, f, MakeOptions { f8_dtypes })?;
     std::fs::write(out, c.to_bytes()?).map_err(|e| Bad(format!("{}: {e}", out.display())))?;
     eprintln!("wrote {} ({} on {}, batch {batch})", out.display(), op.name(), m.name);
     Ok(())
 }
 
-/// Uniform values in [-0.5, 0.5) from a xorshift generator.
-fn uniform(mut s: u64) -> impl FnMut() -> f32 {
-    move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-    }
+/// Uniform values in [-0.5, 0.5).
+fn uniform(seed: u64) -> impl FnMut() -> f32 {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    move || rng.f32() - 0.5
 }
 
-/// A one-line progress bar on stderr.
-fn progress(label: &str, done: usize, total: usize) {
-    let w = 30;
-    let filled = w * done / total.max(1);
-    eprint!("\r  {label} [{}{}] {done}/{total}", "#".repeat(filled), " ".repeat(w - filled));
-    if done == total {
-        eprintln!();
-    }
-    let _ = std::io::stderr().flush();
+/// A spinner (or a bar, with `len`) on stderr for a phase that can take over a second; indicatif
+/// hides it when stderr is not a terminal, so logs get no frames.
+fn progress(label: &str, len: Option<u64>) -> ProgressBar {
+    let pb = match len {
+        Some(n) => ProgressBar::new(n).with_style(
+            ProgressStyle::with_template("  {msg} [{bar:30}] {pos}/{len}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("#> "),
+        ),
+        None => ProgressBar::new_spinner(),
+    };
+    pb.set_message(label.to_string());
+    pb.enable_steady_tick(Duration::from_millis(100));
+    pb
 }
 
 /// Rows `rows` of a quantized matrix as a new matrix (data and re-interleaved scales).
@@ -309,19 +443,21 @@ struct Phase {
 }
 
 fn demo() -> Result<(), Bad> {
-    let m = case::model("llama3-8b").ok_or_else(|| Bad("model".into()))?;
+    let m = ModelArg::Llama3_8b.shape();
     let (k, q_dim, n) = (m.hidden, m.q_heads * m.head, (m.q_heads + 2 * m.kv_heads) * m.head);
-    println!(
+    outln!(
         "paged-qkv demo — Llama-3-8B attention prologue on {} ({} threads)",
         Isa::best().name(),
         rayon::current_num_threads()
     );
     let t0 = Instant::now();
-    let mut rnd = uniform(0x2545_F491_4F6C_DD1Du64);
+    let pb = progress("quantize + pack the layer", None);
+    let mut rnd = uniform(0x2545_F491_4F6C_DD1D);
     let w: Vec<f32> = (0..n * k).map(|_| rnd() * 0.05).collect();
     let wq = quantize(BlockFormat::Nvfp4, &w, n, k, nvfp4_global_scale(amax(&w)))?;
     let packed = PackedWeights::new(wq.as_ref());
-    println!(
+    pb.finish_and_clear();
+    outln!(
         "  layer: K {k}, N {n} (32 Q + 2 x 8 KV heads of 128), NVFP4 {:.1} MB, quantized + packed in {:.2?}",
         packed.size_bytes() as f64 / 1e6,
         t0.elapsed()
@@ -343,8 +479,7 @@ fn demo() -> Result<(), Bad> {
     }
     let shape = CacheShape::mha(num_blocks, 1, page, m.kv_heads, m.head)?;
     let mut cache = PagedKvCache::<bf16>::zeros(shape);
-    let freqs = case::freqs_cis(512, m.head, m.rope_theta);
-    let tsf_w = wq.tensor_scale();
+    let freqs = paged_qkv::freqs_cis(512, m.head, m.rope_theta);
     let mut phases = Vec::new();
 
     // One step: fast fused QKV (Q out, K/V into the cache) + RoPE on Q and the new K; then the
@@ -367,14 +502,8 @@ fn demo() -> Result<(), Bad> {
         {
             let table = PageTable::new(&lookup, cols, cache_lengths)?;
             let mut kv = KvWrite::new(cache.view_mut(), table, 0);
-            let args = QkvFp4PackedArgs {
-                hidden_state: a.as_ref(),
-                input_row_offsets: &offsets,
-                weight: &packed,
-                tensor_sf: a.tensor_scale() * tsf_w,
-                q_dim,
-            };
-            qkv_fp4_ragged_packed(&args, &mut q, &mut kv, Exec::default())?;
+            let args = QkvFp4PackedArgs::new(a.as_ref(), &offsets, &packed, q_dim);
+            fast::qkv_fp4_ragged_packed(&args, &mut q, &mut kv, Exec::default())?;
             let rope = RopeRaggedArgs {
                 q_proj: &q,
                 input_row_offsets: &offsets,
@@ -409,7 +538,7 @@ fn demo() -> Result<(), Bad> {
                 hidden_state: sub.as_ref(),
                 input_row_offsets: &sub_offsets,
                 weight: wq.as_ref(),
-                tensor_sf: a.tensor_scale() * tsf_w,
+                tensor_sf: a.tensor_scale() * packed.tensor_scale(),
                 q_dim,
             };
             reference::qkv_fp4_ragged(&args, &mut ref_q, &mut kv, Accumulation::Exact)?;
@@ -436,7 +565,9 @@ fn demo() -> Result<(), Bad> {
     }
     let check: Vec<usize> = starts[1..].iter().map(|&e| e - 1).collect(); // each prompt's last token
     let zero = vec![0u32; prompts.len()];
+    let pb = progress("prefill + oracle check", None);
     let (secs, ref_tok, ulp, abs) = step(&x, &prompts, &zero, &check, &mut cache)?;
+    pb.finish_and_clear();
     phases.push(Phase {
         name: "prefill",
         tokens: mtot,
@@ -445,7 +576,7 @@ fn demo() -> Result<(), Bad> {
         ref_per_token: ref_tok,
         max_ulp: ulp,
         max_abs: abs,
-        pages: pages.iter().map(|_| 0).sum::<usize>() + prompts.iter().map(|&p| p.div_ceil(page)).sum::<usize>(),
+        pages: prompts.iter().map(|&p| p.div_ceil(page)).sum::<usize>(),
     });
 
     // Decode: 32 steps of one token per sequence; the oracle checks every 8th step.
@@ -461,6 +592,7 @@ fn demo() -> Result<(), Bad> {
     };
     let mut checked = 0;
     let ones = vec![1usize; prompts.len()];
+    let pb = progress("decode", Some(steps as u64));
     for s in 0..steps {
         let lens: Vec<u32> = prompts.iter().map(|&p| (p + s) as u32).collect();
         let x: Vec<f32> = (0..prompts.len() * k).map(|_| rnd() * 2.0).collect();
@@ -475,19 +607,26 @@ fn demo() -> Result<(), Bad> {
         }
         d.max_ulp = d.max_ulp.max(ulp);
         d.max_abs = d.max_abs.max(abs);
-        progress("decode", s + 1, steps);
+        pb.inc(1);
     }
+    pb.finish_and_clear();
     d.ref_per_token /= checked as f64;
     d.pages = prompts.iter().map(|&p| (p + steps).div_ceil(page)).sum();
     phases.push(d);
 
-    println!();
-    println!(
+    outln!();
+    outln!(
         "  {:<8} {:>7} {:>10} {:>9} {:>10} {:>14} {:>6}",
-        "phase", "tokens", "time", "GFLOP/s", "speed-up", "max err (Q)", "pages"
+        "phase",
+        "tokens",
+        "time",
+        "GFLOP/s",
+        "speed-up",
+        "max err (Q)",
+        "pages"
     );
     for p in &phases {
-        println!(
+        outln!(
             "  {:<8} {:>7} {:>8.2}ms {:>9.1} {:>9.0}x {:>6} ulp {:.1e} {:>4}",
             p.name,
             p.tokens,
@@ -499,94 +638,157 @@ fn demo() -> Result<(), Bad> {
             p.pages
         );
     }
-    println!(
+    outln!(
         "  (time: fast fused QKV + RoPE per phase; speed-up: the scalar reference (Exact), timed on sampled tokens, per token;"
     );
-    println!(
+    outln!(
         "   max err: fast bf16 Q against the exact oracle on those tokens, in bf16 ULPs and absolute; pages: cache pages in use)"
     );
-    println!("  total {:.1?}", t0.elapsed());
+    outln!("  total {:.1?}", t0.elapsed());
     Ok(())
 }
 
-fn bench(model: &str, threads: Option<usize>) -> Result<(), Bad> {
-    let m = case::model(model)
-        .ok_or_else(|| Bad(format!("--model: expected llama3-8b, qwen2.5-0.5b or tiny, found `{model}`")))?;
+/// Median of repeated runs (at least 5, up to 0.5 s), after one warm-up run.
+fn time(f: &mut (dyn FnMut() + Send)) -> f64 {
+    f();
+    let mut v = Vec::new();
+    let t0 = Instant::now();
+    while v.len() < 5 || (t0.elapsed().as_secs_f64() < 0.5 && v.len() < 200) {
+        let t = Instant::now();
+        f();
+        v.push(t.elapsed().as_secs_f64());
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// A plain read of `bytes` (all threads of the current pool).
+fn read_bytes(bytes: &[u8]) {
+    let x: u64 = bytes
+        .par_chunks(1 << 16)
+        .map(|c| c.chunks_exact(8).fold(0u64, |a, b| a ^ u64::from_le_bytes(b.try_into().unwrap_or([0; 8]))))
+        .reduce(|| 0, |a, b| a ^ b);
+    std::hint::black_box(x);
+}
+
+fn bench(m: case::ModelShape, threads: Option<usize>, dtypes: &[DtypeArg]) -> Result<(), Bad> {
     let p = pool(threads)?;
     let (k, q_dim, n) = (m.hidden, m.q_heads * m.head, (m.q_heads + 2 * m.kv_heads) * m.head);
-    let mut rnd = uniform(1u64);
+    let mut rnd = uniform(1);
     let w: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
-    println!(
+    outln!(
         "paged-qkv bench: {} (K {k}, N {n}), {} threads, ISA {}",
         m.name,
         p.current_num_threads(),
         Isa::best().name()
     );
-    let time = |f: &mut dyn FnMut()| -> f64 {
-        f();
-        let mut v = Vec::new();
-        let t0 = Instant::now();
-        while v.len() < 5 || (t0.elapsed().as_secs_f64() < 0.5 && v.len() < 200) {
-            let t = Instant::now();
-            f();
-            v.push(t.elapsed().as_secs_f64());
-        }
-        v.sort_by(|a, b| a.total_cmp(b));
-        v[v.len() / 2]
-    };
-    for format in [BlockFormat::Nvfp4, BlockFormat::Mxfp4] {
-        let wq = quantize(format, &w, n, k, nvfp4_global_scale(amax(&w)))?;
-        let packed = PackedWeights::new(wq.as_ref());
-        let bytes = [wq.data(), wq.scales()].concat();
-        let read = p.install(|| {
-            time(&mut || {
-                let x: u64 = bytes
-                    .par_chunks(1 << 16)
-                    .map(|c| {
-                        c.chunks_exact(8).fold(0u64, |a, b| a ^ u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+    let dtypes = if dtypes.is_empty() { &[DtypeArg::Nvfp4, DtypeArg::Mxfp4][..] } else { dtypes };
+    let ms = [1usize, 8, 64, 512];
+    let pb = progress("bench", Some((dtypes.len() * ms.len()) as u64));
+    for &dt in dtypes {
+        // One closure per M that runs the fused op into a fresh bf16 paged cache.
+        let (name, bytes, mut runner): (&str, usize, Runner) = match dt {
+            DtypeArg::Nvfp4 | DtypeArg::Mxfp4 | DtypeArg::Mxfp8 => {
+                let format = match dt {
+                    DtypeArg::Nvfp4 => BlockFormat::Nvfp4,
+                    DtypeArg::Mxfp4 => BlockFormat::Mxfp4,
+                    _ => BlockFormat::Mxfp8,
+                };
+                let wq = quantize(format, &w, n, k, nvfp4_global_scale(amax(&w)))?;
+                let packed = std::sync::Arc::new(PackedWeights::new(wq.as_ref()));
+                let bytes = wq.data().len() + wq.scales().len();
+                let mut rnd = uniform(2);
+                let run = move |mm: usize| -> Box<dyn FnMut() + Send> {
+                    let x: Vec<f32> = (0..mm * k).map(|_| rnd()).collect();
+                    let a = quantize(format, &x, mm, k, nvfp4_global_scale(amax(&x))).expect("finite input");
+                    let packed = packed.clone();
+                    let mut c = BenchCache::new(m, mm, q_dim);
+                    Box::new(move || {
+                        let offs = [0, mm as u32];
+                        let args = QkvFp4PackedArgs::new(a.as_ref(), &offs, &packed, q_dim);
+                        c.call(|out, kv| fast::qkv_fp4_ragged_packed(&args, out, kv, Exec::default()));
                     })
-                    .reduce(|| 0, |a, b| a ^ b);
-                std::hint::black_box(x);
-            })
-        });
-        println!(
-            "  {}: weight {:.1} MB; plain read of the weight bytes {:.3} ms = {:.1} GB/s",
-            format.name(),
-            bytes.len() as f64 / 1e6,
-            read * 1e3,
-            bytes.len() as f64 / read / 1e9
-        );
-        println!("    {:>5} {:>10} {:>9} {:>14} {:>12}", "M", "time", "GFLOP/s", "weight GB/s", "vs read");
-        for mm in [1usize, 8, 64, 512] {
-            let x: Vec<f32> = (0..mm * k).map(|_| rnd()).collect();
-            let a = quantize(format, &x, mm, k, nvfp4_global_scale(amax(&x)))?;
-            let shape = CacheShape::mha(mm.div_ceil(m.page) + 1, 1, m.page, m.kv_heads, m.head)?;
-            let mut cache = PagedKvCache::<bf16>::zeros(shape);
-            let lookup: Vec<u32> = (0..shape.num_blocks() as u32).collect();
-            let mut out = vec![bf16::ZERO; mm * q_dim];
-            let offs = [0, mm as u32];
-            let t = p.install(|| {
-                time(&mut || {
-                    let table = PageTable::new(&lookup, lookup.len(), &[0]).expect("valid table");
-                    let mut kv = KvWrite::new(cache.view_mut(), table, 0);
-                    let args = QkvFp4PackedArgs {
-                        hidden_state: a.as_ref(),
-                        input_row_offsets: &offs,
-                        weight: &packed,
-                        tensor_sf: 1.0,
-                        q_dim,
-                    };
-                    fast::qkv_fp4_ragged_packed(&args, &mut out, &mut kv, Exec::default()).expect("valid call");
-                })
-            });
-            println!(
-                "    {mm:>5} {:>8.3}ms {:>9.1} {:>14.1} {:>11.2}x",
-                t * 1e3,
-                2.0 * (mm * n * k) as f64 / t / 1e9,
-                bytes.len() as f64 / t / 1e9,
-                t / read
+                };
+                (format.name(), bytes, Box::new(run))
+            }
+            DtypeArg::Bf16 => plain_runner::<bf16>("bf16", &w, m)?,
+            DtypeArg::F16 => plain_runner::<f16>("f16", &w, m)?,
+            DtypeArg::F32 => plain_runner::<f32>("f32", &w, m)?,
+        };
+        let junk = vec![1u8; bytes];
+        let read = p.install(|| time(&mut || read_bytes(&junk)));
+        pb.suspend(|| {
+            outln!(
+                "  {name}: weight {:.1} MB; plain read of the weight bytes {:.3} ms = {:.1} GB/s",
+                bytes as f64 / 1e6,
+                read * 1e3,
+                bytes as f64 / read / 1e9
             );
+            outln!("    {:>5} {:>10} {:>9} {:>14} {:>12}", "M", "time", "GFLOP/s", "weight GB/s", "vs read");
+        });
+        for &mm in &ms {
+            let mut f = runner(mm);
+            let t = p.install(|| time(&mut *f));
+            pb.suspend(|| {
+                outln!(
+                    "    {mm:>5} {:>8.3}ms {:>9.1} {:>14.1} {:>11.2}x",
+                    t * 1e3,
+                    2.0 * (mm * n * k) as f64 / t / 1e9,
+                    bytes as f64 / t / 1e9,
+                    t / read
+                )
+            });
+            pb.inc(1);
         }
     }
+    pb.finish_and_clear();
     Ok(())
+}
+
+type Runner = Box<dyn FnMut(usize) -> Box<dyn FnMut() + Send>>;
+
+/// The bench's runner for bf16/f16/f32 weights (packed once) and activations.
+fn plain_runner<T: Element>(
+    name: &'static str,
+    w: &[f32],
+    m: case::ModelShape,
+) -> Result<(&'static str, usize, Runner), Bad> {
+    let (k, q_dim) = (m.hidden, m.q_heads * m.head);
+    let wt: Vec<T> = w.iter().map(|&x| T::from_f32(x)).collect();
+    let packed = std::sync::Arc::new(PackedPlainWeights::new(&wt, k)?);
+    let bytes = std::mem::size_of_val(&wt[..]);
+    let mut rnd = uniform(2);
+    let run = move |mm: usize| -> Box<dyn FnMut() + Send> {
+        let x: Vec<T> = (0..mm * k).map(|_| T::from_f32(rnd())).collect();
+        let packed = packed.clone();
+        let mut c = BenchCache::new(m, mm, q_dim);
+        Box::new(move || {
+            let offs = [0, mm as u32];
+            let args =
+                QkvRaggedPackedArgs { hidden_state: &x, input_row_offsets: &offs, weight: &packed, bias: None, q_dim };
+            c.call(|out, kv| fast::qkv_ragged_packed(&args, out, kv, Exec::default()));
+        })
+    };
+    Ok((name, bytes, Box::new(run)))
+}
+
+/// A bf16 output and paged cache for `mm` new tokens of one sequence.
+struct BenchCache {
+    cache: PagedKvCache<bf16>,
+    lookup: Vec<u32>,
+    out: Vec<bf16>,
+}
+
+impl BenchCache {
+    fn new(m: case::ModelShape, mm: usize, q_dim: usize) -> Self {
+        let shape = CacheShape::mha(mm.div_ceil(m.page) + 1, 1, m.page, m.kv_heads, m.head).expect("valid shape");
+        let lookup = (0..shape.num_blocks() as u32).collect();
+        BenchCache { cache: PagedKvCache::zeros(shape), lookup, out: vec![bf16::ZERO; mm * q_dim] }
+    }
+
+    fn call(&mut self, f: impl FnOnce(&mut [bf16], &mut KvWrite<'_, bf16>) -> paged_qkv::Result<()>) {
+        let table = PageTable::new(&self.lookup, self.lookup.len(), &[0]).expect("valid table");
+        let mut kv = KvWrite::new(self.cache.view_mut(), table, 0);
+        f(&mut self.out, &mut kv).expect("valid call");
+    }
 }

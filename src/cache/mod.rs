@@ -85,7 +85,7 @@ impl CacheShape {
     pub fn from_dims(dims: &[usize]) -> Result<Self> {
         match *dims {
             [a, b, c, d, e, f] => CacheShape::new(a, b, c, d, e, f),
-            _ => Err(Error::shape("kv_blocks", "rank 6", format!("rank {}", dims.len()))),
+            _ => Err(Error::Shape { arg: "kv_blocks", expected: crate::error::Expected::Rank(6), found: dims.len() }),
         }
     }
 
@@ -141,6 +141,35 @@ impl CacheShape {
         ((((block * self.kv_dim + kv) * self.num_layers + layer) * self.page_size + slot) * self.num_kv_heads + head)
             * self.head_size
             + dim
+    }
+    /// The fused-QKV router: where column `j` of the K|V part of a fused QKV result goes
+    /// (`j = column − q_dim`), as `(K or V, head, dim)`. MHA/GQA: the first
+    /// [`kv_width`](Self::kv_width) columns are the K heads in order, the next ones the V heads;
+    /// MLA: every column goes to K head 0, dim `j`. Columns `< q_dim` go to the output.
+    #[inline]
+    pub fn kv_column(&self, j: usize) -> (KvSel, usize, usize) {
+        let (hd, kvw) = (self.head_size, self.kv_width());
+        if self.is_mla() {
+            (KvSel::K, 0, j)
+        } else if j < kvw {
+            (KvSel::K, j / hd, j % hd)
+        } else {
+            (KvSel::V, (j - kvw) / hd, (j - kvw) % hd)
+        }
+    }
+    /// The offset of [`kv_column`](Self::kv_column)`(j)` from the first element of the token's
+    /// slot, [`slot_base`](Self::slot_base).
+    #[inline]
+    pub fn kv_column_offset(&self, j: usize) -> usize {
+        let (kv, h, d) = self.kv_column(j);
+        self.index(0, kv as usize, 0, 0, h, d)
+    }
+    /// Flat index of `[block, 0, layer, slot, 0, 0]`: the first element a token stored at
+    /// (block, slot) of `layer` owns (its K heads; its V heads follow at
+    /// [`kv_column_offset`](Self::kv_column_offset)).
+    #[inline]
+    pub fn slot_base(&self, block: usize, layer: usize, slot: usize) -> usize {
+        self.index(block, 0, layer, slot, 0, 0)
     }
     /// The coordinates `[block, kv, layer, slot, head, dim]` of a flat index.
     pub fn coords(&self, mut index: usize) -> [usize; 6] {
@@ -229,15 +258,7 @@ impl<'a, T: Element> PagedKvCacheMut<'a, T> {
 }
 
 fn expect_cache_len(shape: &CacheShape, len: usize) -> Result<()> {
-    if len == shape.len() {
-        Ok(())
-    } else {
-        Err(Error::shape(
-            "kv_blocks",
-            format!("{} elements ({:?})", shape.len(), shape.dims()),
-            format!("{len} elements"),
-        ))
-    }
+    if len == shape.len() { Ok(()) } else { Err(Error::dims("kv_blocks", &shape.dims(), len)) }
 }
 
 /// MAX's page table: `kv_lookup_table` `[batch, cols]` (entry `[b, j]` is the physical block of
@@ -255,11 +276,7 @@ impl<'a> PageTable<'a> {
     pub fn new(lookup: &'a [u32], cols: usize, cache_lengths: &'a [u32]) -> Result<Self> {
         let want = checked_len("kv_lookup_table", &[cache_lengths.len(), cols])?;
         if lookup.len() != want {
-            return Err(Error::shape(
-                "kv_lookup_table",
-                format!("{want} entries ([batch, cols] = [{}, {cols}])", cache_lengths.len()),
-                format!("{} entries", lookup.len()),
-            ));
+            return Err(Error::dims("kv_lookup_table", &[cache_lengths.len(), cols], lookup.len()));
         }
         Ok(PageTable { lookup, cols, cache_lengths })
     }

@@ -73,7 +73,8 @@ impl BlockFormat {
     }
 }
 
-/// A borrowed block-scaled matrix: `rows × k` logical elements with its 5-D scales, validated.
+/// A borrowed block-scaled matrix: `rows × k` logical elements with its 5-D scales, validated,
+/// and the tensor's dequantization multiplier (1 unless set).
 #[derive(Debug, Clone, Copy)]
 pub struct QuantizedRef<'a> {
     format: BlockFormat,
@@ -81,6 +82,7 @@ pub struct QuantizedRef<'a> {
     k: usize,
     data: &'a [u8],
     scales: &'a [u8],
+    tensor_scale: f32,
 }
 
 impl<'a> QuantizedRef<'a> {
@@ -94,22 +96,25 @@ impl<'a> QuantizedRef<'a> {
         }
         let want = checked_len("data", &[rows, format.row_bytes(k)])?;
         if data.len() != want {
-            return Err(Error::shape(
-                "data",
-                format!("{want} bytes ([{rows}, {}])", format.row_bytes(k)),
-                format!("{} bytes", data.len()),
-            ));
+            return Err(Error::dims("data", &[rows, format.row_bytes(k)], data.len()));
         }
         let layout = ScaleLayout::for_operand(rows, k, format.vector_size());
         let want = layout.checked_len()?;
         if scales.len() != want {
-            return Err(Error::shape(
-                "scales",
-                format!("{want} bytes (5-D {:?})", layout.shape()),
-                format!("{} bytes", scales.len()),
-            ));
+            return Err(Error::dims("scales", &layout.shape(), scales.len()));
         }
-        Ok(QuantizedRef { format, rows, k, data, scales })
+        Ok(QuantizedRef { format, rows, k, data, scales, tensor_scale: 1.0 })
+    }
+
+    /// The same matrix with its dequantization multiplier `tensor_scale` (see
+    /// [`QuantizedMatrix::tensor_scale`]); [`PackedWeights`](crate::PackedWeights) remembers it.
+    pub fn with_tensor_scale(self, tensor_scale: f32) -> Self {
+        QuantizedRef { tensor_scale, ..self }
+    }
+    /// The dequantization multiplier (1 unless set by [`with_tensor_scale`](Self::with_tensor_scale)
+    /// or taken from a [`QuantizedMatrix`]).
+    pub fn tensor_scale(&self) -> f32 {
+        self.tensor_scale
     }
 
     /// The format.
@@ -188,7 +193,14 @@ impl QuantizedMatrix {
     }
     /// Borrows it as a [`QuantizedRef`].
     pub fn as_ref(&self) -> QuantizedRef<'_> {
-        QuantizedRef { format: self.format, rows: self.rows, k: self.k, data: &self.data, scales: &self.scales }
+        QuantizedRef {
+            format: self.format,
+            rows: self.rows,
+            k: self.k,
+            data: &self.data,
+            scales: &self.scales,
+            tensor_scale: self.tensor_scale,
+        }
     }
     /// The format.
     pub fn format(&self) -> BlockFormat {
@@ -222,9 +234,5 @@ impl QuantizedMatrix {
 
 pub(crate) fn check_len_2d(arg: &'static str, len: usize, rows: usize, cols: usize) -> Result<()> {
     let want = checked_len(arg, &[rows, cols])?;
-    if len == want {
-        Ok(())
-    } else {
-        Err(Error::shape(arg, format!("{want} elements ([{rows}, {cols}])"), format!("{len} elements")))
-    }
+    if len == want { Ok(()) } else { Err(Error::dims(arg, &[rows, cols], len)) }
 }

@@ -79,11 +79,7 @@ impl ScaleLayout {
     pub fn interleave<T: Copy + Default>(&self, plain: &[T]) -> Result<Vec<T>> {
         let want = checked_len("scales", &[self.rows, self.k_blocks])?;
         if plain.len() != want {
-            return Err(Error::shape(
-                "scales",
-                format!("{want} elements ([rows, k_blocks] = [{}, {}])", self.rows, self.k_blocks),
-                format!("{} elements", plain.len()),
-            ));
+            return Err(Error::dims("scales", &[self.rows, self.k_blocks], plain.len()));
         }
         let mut out = vec![T::default(); self.checked_len()?];
         for r in 0..self.rows {
@@ -98,11 +94,7 @@ impl ScaleLayout {
     pub fn deinterleave<T: Copy>(&self, five_d: &[T]) -> Result<Vec<T>> {
         let want = self.checked_len()?;
         if five_d.len() != want {
-            return Err(Error::shape(
-                "scales",
-                format!("{want} elements (5-D {:?})", self.shape()),
-                format!("{} elements", five_d.len()),
-            ));
+            return Err(Error::dims("scales", &self.shape(), five_d.len()));
         }
         let mut out = Vec::with_capacity(self.rows * self.k_blocks);
         for r in 0..self.rows {

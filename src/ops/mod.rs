@@ -6,7 +6,7 @@
 
 use crate::cache::{CacheShape, KvSel, KvWrite, PageTable, SlotPlan};
 use crate::element::Element;
-use crate::error::{Error, Result, checked_len};
+use crate::error::{Error, Expected, Result, checked_len};
 use crate::formats::{BlockFormat, QuantizedRef};
 
 /// How the reference accumulates a dot product.
@@ -160,11 +160,33 @@ pub struct KvStoreBshdArgs<'a, T> {
     pub which: KvSel,
 }
 
+/// A RoPE table as MAX builds it (`max/nn/rotary_embedding.py`): `rows` rows of `dim` values, row
+/// `p` = `cos(p·θ_0), sin(p·θ_0), cos(p·θ_1), sin(p·θ_1), …` with `θ_i = theta^(−2i/dim)` computed
+/// in f64 and rounded to f32, positions and cos/sin in f32. The same table serves both pairings.
+///
+/// # Examples
+/// ```
+/// let f = paged_qkv::freqs_cis(4, 8, 10000.0); // 4 positions, rope_dim 8
+/// assert_eq!(f.len(), 32);
+/// assert_eq!((f[0], f[1]), (1.0, 0.0)); // position 0: cos 0, sin 0
+/// ```
+pub fn freqs_cis(rows: usize, dim: usize, theta: f64) -> Vec<f32> {
+    let mut f = Vec::with_capacity(rows * dim);
+    for p in 0..rows {
+        for i in 0..dim / 2 {
+            let a = p as f32 * theta.powf(-2.0 * i as f64 / dim as f64) as f32;
+            f.push(a.cos());
+            f.push(a.sin());
+        }
+    }
+    f
+}
+
 /// `(batch, t)` of every row of a ragged batch, after checking `input_row_offsets`: at least one
 /// entry, starting at 0, non-decreasing, ending at `m`.
 pub(crate) fn ragged_rows(offsets: &[u32], m: usize) -> Result<Vec<(usize, usize)>> {
     let Some(&first) = offsets.first() else {
-        return Err(Error::shape("input_row_offsets", "[batch + 1] with at least 1 entry", "0 entries"));
+        return Err(Error::Shape { arg: "input_row_offsets", expected: Expected::AtLeast(1), found: 0 });
     };
     if first != 0 {
         return Err(Error::RowOffsets { index: 0, reason: format!("must be 0, found {first}") });
@@ -191,7 +213,7 @@ pub(crate) fn ragged_rows(offsets: &[u32], m: usize) -> Result<Vec<(usize, usize
 /// Checks `valid_lengths` (`[batch]`, each ≤ `seq_len`).
 pub(crate) fn check_valid_lengths(valid_lengths: &[u32], batch: usize, seq_len: usize) -> Result<()> {
     if valid_lengths.len() != batch {
-        return Err(Error::shape("valid_lengths", format!("[{batch}]"), format!("[{}]", valid_lengths.len())));
+        return Err(Error::dims("valid_lengths", &[batch], valid_lengths.len()));
     }
     for (b, &v) in valid_lengths.iter().enumerate() {
         if v as usize > seq_len {
@@ -203,11 +225,7 @@ pub(crate) fn check_valid_lengths(valid_lengths: &[u32], batch: usize, seq_len: 
 
 /// Checks that the page table describes `batch` sequences.
 pub(crate) fn check_table_batch(table: &PageTable<'_>, batch: usize) -> Result<()> {
-    if table.batch_size() == batch {
-        Ok(())
-    } else {
-        Err(Error::shape("cache_lengths", format!("[{batch}] (one per sequence)"), format!("[{}]", table.batch_size())))
-    }
+    if table.batch_size() == batch { Ok(()) } else { Err(Error::dims("cache_lengths", &[batch], table.batch_size())) }
 }
 
 /// Checks the Q | K | V split of N weight rows for this cache (spec §G).
@@ -226,22 +244,92 @@ pub(crate) fn check_split(n: usize, q_dim: usize, shape: &CacheShape) -> Result<
     }
 }
 
+/// N of a `[N, k]` weight, or the error the reference gives.
+pub(crate) fn weight_rows<T>(weight: &[T], k: usize) -> Result<usize> {
+    if k == 0 {
+        return Err(Error::dim("hidden_size", "must be at least 1"));
+    }
+    if !weight.len().is_multiple_of(k) {
+        return Err(Error::Shape { arg: "weight", expected: Expected::RowsOf(k), found: weight.len() });
+    }
+    Ok(weight.len() / k)
+}
+
 /// Checks `len == product(dims)` for an activation or output tensor.
 pub(crate) fn check_tensor(arg: &'static str, len: usize, dims: &[usize]) -> Result<()> {
     let want = checked_len(arg, dims)?;
-    if len == want {
-        Ok(())
-    } else {
-        Err(Error::shape(arg, format!("{want} elements ({dims:?})"), format!("{len} elements")))
-    }
+    if len == want { Ok(()) } else { Err(Error::dims(arg, dims, len)) }
 }
 
 /// Checks an element-wise RoPE freqs table and returns its row count.
 pub(crate) fn freqs_rows<F: Element>(freqs: &[F], width: usize) -> Result<usize> {
-    if width == 0 || !freqs.len().is_multiple_of(width) {
-        return Err(Error::shape("freqs_cis", format!("[rows, {width}]"), format!("{} elements", freqs.len())));
+    if width == 0 {
+        return Err(Error::dim("freqs_cis", "the row width must be at least 1"));
+    }
+    if !freqs.len().is_multiple_of(width) {
+        return Err(Error::Shape { arg: "freqs_cis", expected: Expected::RowsOf(width), found: freqs.len() });
     }
     Ok(freqs.len() / width)
+}
+
+/// Validates a bf16/f16/f32 ragged fused QKV call (`weight` is `[n, k]`, already checked) and
+/// returns its slot plan; the checks and their order are the oracle's.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn validate_qkv_ragged<C: Element>(
+    hidden_len: usize,
+    input_row_offsets: &[u32],
+    (n, k): (usize, usize),
+    bias_len: Option<usize>,
+    q_dim: usize,
+    output_len: usize,
+    kv: &KvWrite<'_, C>,
+) -> Result<SlotPlan> {
+    let m = input_row_offsets.last().map_or(0, |&x| x as usize);
+    check_tensor("hidden_state", hidden_len, &[m, k])?;
+    let rows = ragged_rows(input_row_offsets, m)?;
+    let shape = kv.cache.shape();
+    check_table_batch(&kv.page_table, input_row_offsets.len() - 1)?;
+    check_split(n, q_dim, &shape)?;
+    if let Some(len) = bias_len {
+        check_tensor("bias", len, &[n])?;
+    }
+    check_tensor("output", output_len, &[m, q_dim])?;
+    let writes: Vec<_> = rows.iter().map(|&(b, t)| (b, t, true)).collect();
+    SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)
+}
+
+/// Validates a padded (BSHD) fused QKV call (`weight` is `[n, k]`, already checked) and returns
+/// its slot plan (padded rows: no slot); the checks and their order are the oracle's.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn validate_qkv_bshd<C: Element>(
+    hidden_len: usize,
+    (batch, seq_len): (usize, usize),
+    (n, k): (usize, usize),
+    valid_lengths: &[u32],
+    q_dim: usize,
+    output_len: usize,
+    kv: &KvWrite<'_, C>,
+) -> Result<SlotPlan> {
+    let shape = kv.cache.shape();
+    if shape.is_mla() {
+        return Err(Error::Unsupported { what: "the BSHD fused QKV needs a K and V cache (MLA has no V)".into() });
+    }
+    check_tensor("hidden_state", hidden_len, &[batch, seq_len, k])?;
+    check_valid_lengths(valid_lengths, batch, seq_len)?;
+    check_table_batch(&kv.page_table, batch)?;
+    check_split(n, q_dim, &shape)?;
+    check_tensor("output", output_len, &[batch, seq_len, q_dim])?;
+    let writes = padded_rows(valid_lengths, seq_len);
+    SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)
+}
+
+/// `(b, t, t < valid_lengths[b])` for every row of a padded batch.
+pub(crate) fn padded_rows(valid_lengths: &[u32], seq_len: usize) -> Vec<(usize, usize, bool)> {
+    let mut rows = Vec::with_capacity(valid_lengths.len() * seq_len);
+    for (b, &v) in valid_lengths.iter().enumerate() {
+        rows.extend((0..seq_len).map(|t| (b, t, t < v as usize)));
+    }
+    rows
 }
 
 /// Validates a block-scaled fused QKV call (every check of spec §D/§F/§G and the project's
@@ -257,13 +345,13 @@ pub(crate) fn validate_fp4<C: Element>(
     kv: &KvWrite<'_, C>,
 ) -> Result<SlotPlan> {
     let (w_format, n, w_k) = weight;
-    if a.format() != w_format {
+    if a.format() != w_format || a.k() != w_k {
         return Err(Error::FormatMismatch {
-            what: format!("hidden_state is {}, weight is {}", a.format().name(), w_format.name()),
+            hidden_state: a.format(),
+            hidden_k: a.k(),
+            weight: w_format,
+            weight_k: w_k,
         });
-    }
-    if a.k() != w_k {
-        return Err(Error::FormatMismatch { what: format!("hidden_state has K = {}, weight has K = {w_k}", a.k()) });
     }
     if !tensor_sf.is_finite() {
         return Err(Error::NonFinite { arg: "tensor_sf", index: 0 });

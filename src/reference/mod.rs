@@ -6,7 +6,7 @@
 //! per (row, column) and rounded **once** to the destination type: Q to the output dtype, K/V to
 //! the cache dtype (FP8 saturates), as project decision 3 says.
 
-mod exact;
+pub(crate) mod exact;
 
 use crate::cache::{KvSel, KvWrite, PagedKvCacheMut, SlotPlan};
 use crate::element::Element;
@@ -15,8 +15,8 @@ use crate::formats::fp8::{e4m3_to_units, e8m0_to_f32};
 use crate::formats::{BlockFormat, QuantizedRef, fp4};
 use crate::ops::{
     Accumulation, KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, RopeBshdArgs, RopeMath,
-    RopeRaggedArgs, check_split, check_table_batch, check_tensor, check_valid_lengths, freqs_rows, ragged_rows,
-    validate_fp4,
+    RopeRaggedArgs, check_table_batch, check_tensor, check_valid_lengths, freqs_rows, padded_rows, ragged_rows,
+    validate_fp4, validate_qkv_bshd, validate_qkv_ragged, weight_rows,
 };
 use exact::{ExactSum, f32_parts};
 
@@ -46,11 +46,21 @@ pub fn qkv_fp4_ragged<O: Element, C: Element>(
         kv,
     )?;
 
-    let vals = match mode {
-        Accumulation::Sequential => fp4_matmul_sequential(a, w, args.tensor_sf),
-        Accumulation::Exact => fp4_matmul_exact(a, w, args.tensor_sf),
-    };
-    route(&vals, w.rows(), args.q_dim, output, kv, &plan);
+    let tsf = args.tensor_sf;
+    match mode {
+        Accumulation::Sequential => route(w.rows(), args.q_dim, output, kv, &plan, |r, vals| {
+            let (av, sa) = decode_row(a, r);
+            for (j, v) in vals.iter_mut().enumerate() {
+                *v = fp4_sequential(&av, &sa, w, j, tsf);
+            }
+        }),
+        Accumulation::Exact => route(w.rows(), args.q_dim, output, kv, &plan, |r, vals| {
+            let ar = exact_row(a, r);
+            for (j, v) in vals.iter_mut().enumerate() {
+                *v = fp4_exact(&ar, &exact_row(w, j), a, tsf);
+            }
+        }),
+    }
     Ok(())
 }
 
@@ -67,27 +77,28 @@ pub fn qkv_ragged<T: Element, O: Element, C: Element>(
 ) -> Result<()> {
     let k = args.hidden_size;
     let n = weight_rows(args.weight, k)?;
-    let m = args.input_row_offsets.last().map_or(0, |&x| x as usize);
-    check_tensor("hidden_state", args.hidden_state.len(), &[m, k])?;
-    let rows = ragged_rows(args.input_row_offsets, m)?;
-    let shape = kv.cache.shape();
-    check_table_batch(&kv.page_table, args.input_row_offsets.len() - 1)?;
-    check_split(n, args.q_dim, &shape)?;
-    if let Some(bias) = args.bias {
-        check_tensor("bias", bias.len(), &[n])?;
-    }
-    check_tensor("output", output.len(), &[m, args.q_dim])?;
-    let writes: Vec<_> = rows.iter().map(|&(b, t)| (b, t, true)).collect();
-    let plan = SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)?;
-
-    let vals = plain_matmul(args.hidden_state, args.weight, args.bias, m, n, k, mode);
-    route(&vals, n, args.q_dim, output, kv, &plan);
+    let plan = validate_qkv_ragged(
+        args.hidden_state.len(),
+        args.input_row_offsets,
+        (n, k),
+        args.bias.map(|b| b.len()),
+        args.q_dim,
+        output.len(),
+        kv,
+    )?;
+    route(n, args.q_dim, output, kv, &plan, |r, vals| {
+        plain_row(&args.hidden_state[r * k..(r + 1) * k], args.weight, args.bias, k, mode, vals)
+    });
     Ok(())
 }
 
-/// Fused QKV projection of a padded `[batch, seq_len, hidden]` batch (spec §F, §M target 2):
-/// Q to `output` (`[batch, seq_len, q_dim]`) for **every** `(b, t)`, padded positions included;
-/// K/V into the cache only for `t < valid_lengths[b]`, at `cache_lengths[b] + t`. MHA/GQA only.
+/// Fused QKV projection of a padded `[batch, seq_len, hidden]` batch (MAX's
+/// `fused_qkv_matmul_kv_cache_bshd_paged`): Q to `output` (`[batch, seq_len, q_dim]`) for
+/// **every** `(b, t)`, padded positions included; K/V into the cache only for
+/// `t < valid_lengths[b]`, at `cache_lengths[b] + t`. MHA/GQA only.
+///
+/// Memory is O(N) beyond the arguments and time O(values written × K): padded rows compute
+/// their Q columns only.
 #[doc(alias = "fused_qkv_matmul_kv_cache_bshd_paged")]
 pub fn qkv_bshd<T: Element, O: Element, C: Element>(
     args: &QkvBshdArgs<'_, T>,
@@ -95,22 +106,20 @@ pub fn qkv_bshd<T: Element, O: Element, C: Element>(
     kv: &mut KvWrite<'_, C>,
     mode: Accumulation,
 ) -> Result<()> {
-    let (batch, s, k) = (args.batch, args.seq_len, args.hidden_size);
-    let shape = kv.cache.shape();
-    if shape.is_mla() {
-        return Err(Error::Unsupported { what: "the BSHD fused QKV needs a K and V cache (MLA has no V)".into() });
-    }
+    let k = args.hidden_size;
     let n = weight_rows(args.weight, k)?;
-    check_tensor("hidden_state", args.hidden_state.len(), &[batch, s, k])?;
-    check_valid_lengths(args.valid_lengths, batch, s)?;
-    check_table_batch(&kv.page_table, batch)?;
-    check_split(n, args.q_dim, &shape)?;
-    check_tensor("output", output.len(), &[batch, s, args.q_dim])?;
-    let writes = padded_rows(args.valid_lengths, s);
-    let plan = SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)?;
-
-    let vals = plain_matmul(args.hidden_state, args.weight, None, batch * s, n, k, mode);
-    route(&vals, n, args.q_dim, output, kv, &plan);
+    let plan = validate_qkv_bshd(
+        args.hidden_state.len(),
+        (args.batch, args.seq_len),
+        (n, k),
+        args.valid_lengths,
+        args.q_dim,
+        output.len(),
+        kv,
+    )?;
+    route(n, args.q_dim, output, kv, &plan, |r, vals| {
+        plain_row(&args.hidden_state[r * k..(r + 1) * k], args.weight, None, k, mode, vals)
+    });
     Ok(())
 }
 
@@ -259,16 +268,6 @@ pub fn kv_store_bshd<T: Element, C: Element>(args: &KvStoreBshdArgs<'_, T>, kv: 
 // ---------------------------------------------------------------------------------------------
 // Validation helpers local to the oracle.
 
-fn weight_rows<T>(weight: &[T], k: usize) -> Result<usize> {
-    if k == 0 {
-        return Err(Error::dim("hidden_size", "must be at least 1"));
-    }
-    if !weight.len().is_multiple_of(k) {
-        return Err(Error::shape("weight", format!("[N, {k}]"), format!("{} elements", weight.len())));
-    }
-    Ok(weight.len() / k)
-}
-
 fn check_freqs_row(position: u64, rows: usize) -> Result<()> {
     if position < rows as u64 { Ok(()) } else { Err(Error::FreqsRows { position, rows }) }
 }
@@ -281,42 +280,29 @@ fn check_kv_sel(which: KvSel, shape: &crate::cache::CacheShape) -> Result<()> {
     }
 }
 
-/// `(b, t, t < valid_lengths[b])` for every row of a padded batch.
-fn padded_rows(valid_lengths: &[u32], seq_len: usize) -> Vec<(usize, usize, bool)> {
-    let mut rows = Vec::with_capacity(valid_lengths.len() * seq_len);
-    for (b, &v) in valid_lengths.iter().enumerate() {
-        rows.extend((0..seq_len).map(|t| (b, t, t < v as usize)));
-    }
-    rows
+// ---------------------------------------------------------------------------------------------
+// Matmuls, one row at a time: one pre-rounding value per (row, column), as f64. A Sequential
+// value is an f32, so rounding it from f64 is the same as rounding the f32; an Exact value is
+// round-to-odd, so its one rounding to the destination is correct. Memory is O(N); a row that
+// writes no K/V (a padded BSHD row) computes its Q columns only.
+
+/// Decoded data and scales of one operand row (f32; exact).
+fn decode_row(q: QuantizedRef<'_>, r: usize) -> (Vec<f32>, Vec<f32>) {
+    let row = q.row(r);
+    let vals = (0..q.k()).map(|i| q.format().element_to_f32(row, i)).collect();
+    let scales = (0..q.k_blocks()).map(|kb| q.scale(r, kb)).collect();
+    (vals, scales)
 }
 
-// ---------------------------------------------------------------------------------------------
-// Matmuls: one pre-rounding value per (row, column), as f64. A Sequential value is an f32, so
-// rounding it from f64 is the same as rounding the f32; an Exact value is round-to-odd, so its one
-// rounding to the destination is correct.
-
-fn fp4_matmul_sequential(a: QuantizedRef<'_>, w: QuantizedRef<'_>, tensor_sf: f32) -> Vec<f64> {
-    let (m, n, k, v) = (a.rows(), w.rows(), a.k(), a.format().vector_size());
-    let decode = |q: QuantizedRef<'_>, r: usize| -> (Vec<f32>, Vec<f32>) {
-        let row = q.row(r);
-        let vals = (0..k).map(|i| q.format().element_to_f32(row, i)).collect();
-        let scales = (0..q.k_blocks()).map(|kb| q.scale(r, kb)).collect();
-        (vals, scales)
-    };
-    let a_rows: Vec<_> = (0..m).map(|r| decode(a, r)).collect();
-    let mut out = vec![0.0; m * n];
-    for j in 0..n {
-        let (wv, ws) = decode(w, j);
-        for (i, (av, sa)) in a_rows.iter().enumerate() {
-            let mut acc = 0.0f32;
-            for kk in 0..k {
-                // naive_block_scaled_matmul_kernel: ((a * b) * sa) * sb, in k order, in f32.
-                acc += ((av[kk] * wv[kk]) * sa[kk / v]) * ws[kk / v];
-            }
-            out[i * n + j] = (acc * tensor_sf) as f64;
-        }
+/// `naive_block_scaled_matmul_kernel`: `((a · b) · sa) · sb` in k order in f32, then × tensor_sf.
+fn fp4_sequential(av: &[f32], sa: &[f32], w: QuantizedRef<'_>, j: usize, tensor_sf: f32) -> f64 {
+    let v = w.format().vector_size();
+    let (wv, ws) = decode_row(w, j);
+    let mut acc = 0.0f32;
+    for kk in 0..av.len() {
+        acc += ((av[kk] * wv[kk]) * sa[kk / v]) * ws[kk / v];
     }
-    out
+    (acc * tensor_sf) as f64
 }
 
 /// One operand row for exact accumulation: data as integers (`value = int · 2^data_exp`) and per
@@ -364,99 +350,74 @@ fn exact_row(q: QuantizedRef<'_>, r: usize) -> ExactRow {
     ExactRow { ints, scales }
 }
 
-fn fp4_matmul_exact(a: QuantizedRef<'_>, w: QuantizedRef<'_>, tensor_sf: f32) -> Vec<f64> {
-    let (m, n, k, v) = (a.rows(), w.rows(), a.k(), a.format().vector_size());
+fn fp4_exact(ar: &ExactRow, wr: &ExactRow, a: QuantizedRef<'_>, tensor_sf: f32) -> f64 {
+    let (k, v) = (a.k(), a.format().vector_size());
     let dexp = 2 * data_exp(a.format());
     let (tm, te) = f32_parts(tensor_sf);
-    let a_rows: Vec<ExactRow> = (0..m).map(|r| exact_row(a, r)).collect();
-    let mut out = vec![0.0; m * n];
-    for j in 0..n {
-        let wr = exact_row(w, j);
-        for (i, ar) in a_rows.iter().enumerate() {
-            let mut acc = ExactSum::new();
-            let mut nan = false;
-            for kb in 0..a.k_blocks() {
-                let (Some((sa, ea)), Some((sb, eb))) = (ar.scales[kb], wr.scales[kb]) else {
-                    nan = true;
-                    break;
-                };
-                let range = kb * v..((kb + 1) * v).min(k);
-                let isum: i64 = ar.ints[range.clone()].iter().zip(&wr.ints[range]).map(|(x, y)| x * y).sum();
-                acc.add(isum as i128 * (sa * sb) as i128 * tm as i128, dexp + ea + eb + te);
+    let mut acc = ExactSum::new();
+    for kb in 0..a.k_blocks() {
+        let (Some((sa, ea)), Some((sb, eb))) = (ar.scales[kb], wr.scales[kb]) else {
+            return f64::NAN;
+        };
+        let range = kb * v..((kb + 1) * v).min(k);
+        let isum: i64 = ar.ints[range.clone()].iter().zip(&wr.ints[range]).map(|(x, y)| x * y).sum();
+        acc.add(isum as i128 * (sa * sb) as i128 * tm as i128, dexp + ea + eb + te);
+    }
+    acc.to_f64_round_odd()
+}
+
+/// Row `x` times the first `vals.len()` weight rows (+ bias), as `mode` says.
+fn plain_row<T: Element>(x: &[T], w: &[T], bias: Option<&[T]>, k: usize, mode: Accumulation, vals: &mut [f64]) {
+    for (j, out) in vals.iter_mut().enumerate() {
+        let wr = &w[j * k..(j + 1) * k];
+        let b = bias.map(|b| b[j].to_f32());
+        *out = match mode {
+            Accumulation::Sequential => {
+                let mut acc = 0.0f32;
+                for (a, c) in x.iter().zip(wr) {
+                    acc += a.to_f32() * c.to_f32();
+                }
+                (acc + b.unwrap_or(0.0)) as f64
             }
-            out[i * n + j] = if nan { f64::NAN } else { acc.to_f64_round_odd() };
-        }
+            Accumulation::Exact => {
+                let mut acc = ExactSum::new();
+                for (a, c) in x.iter().zip(wr) {
+                    acc.add_product_f32(a.to_f32(), c.to_f32());
+                }
+                if let Some(b) = b {
+                    acc.add_f32(b);
+                }
+                acc.to_f64_round_odd()
+            }
+        };
     }
-    out
 }
 
-fn plain_matmul<T: Element>(
-    x: &[T],
-    w: &[T],
-    bias: Option<&[T]>,
-    m: usize,
-    n: usize,
-    k: usize,
-    mode: Accumulation,
-) -> Vec<f64> {
-    let mut out = vec![0.0; m * n];
-    for i in 0..m {
-        let xr = &x[i * k..(i + 1) * k];
-        for j in 0..n {
-            let wr = &w[j * k..(j + 1) * k];
-            let b = bias.map(|b| b[j].to_f32());
-            out[i * n + j] = match mode {
-                Accumulation::Sequential => {
-                    let mut acc = 0.0f32;
-                    for (a, c) in xr.iter().zip(wr) {
-                        acc += a.to_f32() * c.to_f32();
-                    }
-                    (acc + b.unwrap_or(0.0)) as f64
-                }
-                Accumulation::Exact => {
-                    let mut acc = ExactSum::new();
-                    for (a, c) in xr.iter().zip(wr) {
-                        acc.add_product_f32(a.to_f32(), c.to_f32());
-                    }
-                    if let Some(b) = b {
-                        acc.add_f32(b);
-                    }
-                    acc.to_f64_round_odd()
-                }
-            };
-        }
-    }
-    out
-}
-
-/// Writes row `r`'s Q columns to `output[r]` and, where the plan has a slot, its K/V columns to
-/// the cache, each rounded once.
+/// For every row of the plan: computes its values with `row_values(r, vals)` (all `n` columns
+/// when the row has a slot, else its `q_dim` Q columns), then writes Q to `output[r]` and K/V
+/// through the cache router, each rounded once.
 fn route<O: Element, C: Element>(
-    vals: &[f64],
     n: usize,
     q_dim: usize,
     output: &mut [O],
     kv: &mut KvWrite<'_, C>,
     plan: &SlotPlan,
+    mut row_values: impl FnMut(usize, &mut [f64]),
 ) {
     let shape = kv.cache.shape();
-    let (hd, kvw) = (shape.head_size(), shape.kv_width());
+    let layer = kv.layer_idx;
     let data = kv.cache.data_mut();
+    let mut vals = vec![0.0; n];
     for (r, slot) in plan.rows.iter().enumerate() {
-        let row = &vals[r * n..(r + 1) * n];
-        for (o, &v) in output[r * q_dim..(r + 1) * q_dim].iter_mut().zip(&row[..q_dim]) {
+        let width = if slot.is_some() { n } else { q_dim };
+        row_values(r, &mut vals[..width]);
+        for (o, &v) in output[r * q_dim..(r + 1) * q_dim].iter_mut().zip(&vals[..q_dim]) {
             *o = O::from_f64(v);
         }
         let Some(slot) = slot else { continue };
-        for (j, &v) in row[q_dim..].iter().enumerate() {
-            let (sel, h, d) = if shape.is_mla() {
-                (0, 0, j)
-            } else if j < kvw {
-                (0, j / hd, j % hd)
-            } else {
-                (1, (j - kvw) / hd, (j - kvw) % hd)
-            };
-            data[shape.index(slot.block, sel, kv.layer_idx, slot.offset, h, d)] = C::from_f64(v);
+        let base = shape.slot_base(slot.block, layer, slot.offset);
+        for (j, &v) in vals[q_dim..].iter().enumerate() {
+            data[base + shape.kv_column_offset(j)] = C::from_f64(v);
         }
     }
 }

@@ -5,8 +5,8 @@
 //! and `12 · Σa` per (row, block) is subtracted once. |a| ≤ 12 also means no activation is −128,
 //! so no sign trick is needed, and i16 partial sums stay below 8 · 2 · 24 · 12 = 4608.
 
-use super::{GROUP, MR};
-use crate::kernels::{Fp4Group, Fp4Rows, ScaleKind};
+use crate::simd::fp4::{Fp4Group, Fp4Rows, ScaleKind};
+use crate::simd::{GROUP, MR};
 use std::arch::x86_64::*;
 
 /// `w + 12` for each E2M1 code (codes 8..15 are the negatives).
@@ -21,7 +21,7 @@ fn read_u32(p: &[i8], i: usize) -> i32 {
 /// # Safety
 /// AVX2 and FMA must be available; `g.check(rows)` must have passed.
 #[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn fp4_group_avx2<const R: usize>(
+pub(crate) unsafe fn fp4_group_avx2<const R: usize>(
     g: &Fp4Group<'_>,
     rows: &Fp4Rows<'_>,
     out: &mut [[f32; GROUP]; MR],
@@ -102,7 +102,7 @@ fn _mm_loadu_si128_safe(x: &[i8; 16]) -> __m128i {
 /// # Safety
 /// AVX-512 F, BW and VNNI must be available; `g.check(rows)` must have passed.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-pub(super) unsafe fn fp4_group_avx512<const R: usize>(
+pub(crate) unsafe fn fp4_group_avx512<const R: usize>(
     g: &Fp4Group<'_>,
     rows: &Fp4Rows<'_>,
     out: &mut [[f32; GROUP]; MR],

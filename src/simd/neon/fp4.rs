@@ -2,9 +2,9 @@
 //! doubled E2M1 with `tbl`, so no offset correction is needed; `smull` + i16 adds + pairwise
 //! widening adds give one exact i32 block sum per column. i16 partial sums stay ≤ 8 · 144.
 
-use super::{GROUP, MR};
 use crate::formats::fp4::E2M1_DOUBLED;
-use crate::kernels::{Fp4Group, Fp4Rows, ScaleKind};
+use crate::simd::fp4::{Fp4Group, Fp4Rows, ScaleKind};
+use crate::simd::{GROUP, MR};
 use std::arch::aarch64::*;
 
 #[inline(always)]
@@ -16,7 +16,7 @@ fn read_u32(p: &[i8], i: usize) -> u32 {
 /// # Safety
 /// NEON must be available; `g.check(rows)` must have passed.
 #[target_feature(enable = "neon")]
-pub(super) unsafe fn fp4_group_neon<const R: usize>(
+pub(crate) unsafe fn fp4_group_neon<const R: usize>(
     g: &Fp4Group<'_>,
     rows: &Fp4Rows<'_>,
     out: &mut [[f32; GROUP]; MR],

@@ -1,0 +1,538 @@
+//! The fast paths: runtime-dispatched SIMD kernels, cache-blocked tasks on rayon, and a fused
+//! epilogue that routes each finished value to Q, the K cache or the V cache.
+//!
+//! | operation | raw weight (packed per call) | prepacked weight (a server's path) |
+//! |---|---|---|
+//! | block-scaled fused QKV (NVFP4, MXFP4, MXFP8) | [`qkv_fp4_ragged`] | [`qkv_fp4_ragged_packed`] ([`PackedWeights`]) |
+//! | bf16/f16/f32 fused QKV, ragged (+ bias) | [`qkv_ragged`] | [`qkv_ragged_packed`] ([`PackedPlainWeights`]) |
+//! | bf16/f16/f32 fused QKV, padded BSHD | [`qkv_bshd`] | [`qkv_bshd_packed`] |
+//! | the same kernels into a plain `[M, N]` matrix | | [`matmul_fp4_packed`], [`matmul_plain_packed`] |
+//!
+//! Every entry point takes the oracle's arguments (plus [`Exec`]), validates them exactly as the
+//! oracle does before anything is written, and returns the same errors.
+//!
+//! # Determinism
+//! Results are **bitwise identical** for every thread count, batch composition and M (no split-K;
+//! every element is computed by one task in a fixed order), and for every ISA, with one
+//! exception: [`Isa::Avx512Bf16`] on bf16 weights flushes subnormal operands, products and partial
+//! sums to zero (`vdpbf16ps`), so it can differ where one appears. The arithmetic orders are
+//! described in the module docs of `crate::simd`; the tests check every available ISA bit for
+//! bit against the scalar kernel.
+//!
+//! # Accuracy (against the oracle's `Exact` mode)
+//! * FP4 formats: each block's integer sum is exact, so
+//!   `|fast − exact| ≤ (Kb + 2) · 2^-24 · Σ_blocks |block term| · |tensor_sf|` before the final
+//!   rounding to the destination (Kb = blocks per row).
+//! * MXFP8 (a scalar kernel on every ISA for now) also sums inside a block in f32:
+//!   `≤ (K + Kb + 2) · 2^-24 · Σ_k |term| · |tensor_sf|`.
+//! * bf16/f16/f32: `≤ (K + 2) · 2^-24 · (Σ_k |a_k · w_k| + |bias|)` (a chain of K FMAs and the bias
+//!   add); AVX-512 BF16 adds up to `K · 2^-126` where it flushes subnormals.
+//! * Subnormal results add at most `2^-149` per rounding.
+//!
+//! Elements the fast order cannot be trusted with — a non-finite fast value (an overflowing block
+//! term, for example: the true result may be finite), an MX scale product that could fall below
+//! f32's normal range, a NaN scale — are recomputed exactly and equal the oracle's `Exact` result.
+//!
+//! # Examples
+//! The server's path (pack once, call per step) is the `serve_decode` example
+//! (`cargo run --release --example serve_decode`); each entry point below has a short one.
+
+use crate::cache::{KvWrite, SlotPlan};
+use crate::element::Element;
+use crate::error::{Error, Result};
+use crate::formats::QuantizedRef;
+use crate::kernels::epilogue::{Dest, MatrixDest, QkvDest};
+use crate::kernels::operands::{Fp4Operands, PlainOperands};
+use crate::kernels::pack::{Fp4Acts, PlainActs};
+use crate::kernels::schedule::{Panels, run};
+pub use crate::kernels::{PackedPlainWeights, PackedWeights};
+use crate::ops::{
+    QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, check_tensor, validate_fp4, validate_qkv_bshd, validate_qkv_ragged,
+    weight_rows,
+};
+pub use crate::simd::Isa;
+use crate::simd::IsaToken;
+
+/// Where the work runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Par {
+    /// On the calling thread.
+    Sequential,
+    /// On the current rayon pool (the global one, or the pool of an enclosing `pool.install`).
+    #[default]
+    Rayon,
+}
+
+/// The execution argument of every fast entry point.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Exec {
+    /// Threads.
+    pub par: Par,
+    /// Force an ISA (`None`: the best detected). Forcing one this CPU lacks is an error.
+    pub isa: Option<Isa>,
+}
+
+impl Exec {
+    /// Single-threaded, best ISA.
+    pub fn sequential() -> Self {
+        Exec { par: Par::Sequential, isa: None }
+    }
+    /// The same, with `isa` forced.
+    pub fn with_isa(self, isa: Isa) -> Self {
+        Exec { isa: Some(isa), ..self }
+    }
+    fn parallel(self) -> bool {
+        self.par == Par::Rayon
+    }
+}
+
+/// Arguments of [`qkv_fp4_ragged_packed`]: as [`QkvFp4Args`], with a prepacked weight.
+#[derive(Debug, Clone, Copy)]
+pub struct QkvFp4PackedArgs<'a> {
+    /// The ragged activations `[M, K]` with `input_scale`.
+    pub hidden_state: QuantizedRef<'a>,
+    /// `[batch + 1]`.
+    pub input_row_offsets: &'a [u32],
+    /// The fused weight, packed once by [`PackedWeights::new`].
+    pub weight: &'a PackedWeights,
+    /// Multiplies the f32 accumulator: `hidden_state.tensor_scale() · weight.tensor_scale()`.
+    pub tensor_sf: f32,
+    /// Columns routed to `output`.
+    pub q_dim: usize,
+}
+
+impl<'a> QkvFp4PackedArgs<'a> {
+    /// The arguments with `tensor_sf` formed from the two tensor scales
+    /// (`hidden_state.tensor_scale() · weight.tensor_scale()`).
+    pub fn new(
+        hidden_state: QuantizedRef<'a>,
+        input_row_offsets: &'a [u32],
+        weight: &'a PackedWeights,
+        q_dim: usize,
+    ) -> Self {
+        let tensor_sf = hidden_state.tensor_scale() * weight.tensor_scale();
+        QkvFp4PackedArgs { hidden_state, input_row_offsets, weight, tensor_sf, q_dim }
+    }
+}
+
+/// Arguments of [`qkv_ragged_packed`]: as [`QkvRaggedArgs`], with a prepacked weight.
+#[derive(Debug, Clone, Copy)]
+pub struct QkvRaggedPackedArgs<'a, T> {
+    /// `[M, hidden_size]`.
+    pub hidden_state: &'a [T],
+    /// `[batch + 1]`, starting at 0, non-decreasing, ending at M.
+    pub input_row_offsets: &'a [u32],
+    /// The fused weight `[N, hidden_size]`, packed once by [`PackedPlainWeights::new`].
+    pub weight: &'a PackedPlainWeights<T>,
+    /// Optional `[N]` bias added to the accumulator before the one rounding.
+    pub bias: Option<&'a [T]>,
+    /// Columns routed to `output`.
+    pub q_dim: usize,
+}
+
+/// Arguments of [`qkv_bshd_packed`]: as [`QkvBshdArgs`], with a prepacked weight.
+#[derive(Debug, Clone, Copy)]
+pub struct QkvBshdPackedArgs<'a, T> {
+    /// `[batch, seq_len, hidden_size]`, padded.
+    pub hidden_state: &'a [T],
+    /// Sequences.
+    pub batch: usize,
+    /// Padded sequence length.
+    pub seq_len: usize,
+    /// The fused weight `[N, hidden_size]`, packed once by [`PackedPlainWeights::new`].
+    pub weight: &'a PackedPlainWeights<T>,
+    /// `[batch]`: K/V are written (and computed) for `t < valid_lengths[b]` only; Q for every `t`.
+    pub valid_lengths: &'a [u32],
+    /// Columns routed to `output` (`[batch, seq_len, q_dim]`).
+    pub q_dim: usize,
+}
+
+/// The fast [`reference::qkv_fp4_ragged`](crate::reference::qkv_fp4_ragged), with the MAX-shaped
+/// raw weight: it is repacked on every call (a server packs once and calls
+/// [`qkv_fp4_ragged_packed`]).
+///
+/// # Examples
+/// ```
+/// use paged_qkv::formats::quantize::{amax, nvfp4_global_scale, quantize};
+/// use paged_qkv::{BlockFormat, CacheShape, Exec, KvWrite, PageTable, PagedKvCache, QkvFp4Args, bf16, fast};
+///
+/// # fn main() -> paged_qkv::Result<()> {
+/// let (k, q_dim, n) = (64, 32, 64); // 2 Q heads and 1 KV head of 16
+/// let x: Vec<f32> = (0..2 * k).map(|i| (i as f32 * 0.37).sin()).collect();
+/// let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.11).cos()).collect();
+/// let a = quantize(BlockFormat::Nvfp4, &x, 2, k, nvfp4_global_scale(amax(&x)))?;
+/// let wq = quantize(BlockFormat::Nvfp4, &w, n, k, nvfp4_global_scale(amax(&w)))?;
+/// let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(4, 1, 8, 1, 16)?);
+/// let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[2], 1, &[0])?, 0);
+/// let mut q = vec![bf16::ZERO; 2 * q_dim];
+/// let args = QkvFp4Args {
+///     hidden_state: a.as_ref(),
+///     input_row_offsets: &[0, 2],
+///     weight: wq.as_ref(),
+///     tensor_sf: a.tensor_scale() * wq.tensor_scale(),
+///     q_dim,
+/// };
+/// fast::qkv_fp4_ragged(&args, &mut q, &mut kv, Exec::default())?;
+/// # Ok(())
+/// # }
+/// ```
+#[doc(alias = "fused_qkv_matmul_kv_cache_paged_ragged_scale_float4")]
+pub fn qkv_fp4_ragged<O: Element, C: Element>(
+    args: &QkvFp4Args<'_>,
+    output: &mut [O],
+    kv: &mut KvWrite<'_, C>,
+    exec: Exec,
+) -> Result<()> {
+    let token = IsaToken::new(exec.isa)?;
+    let w = args.weight;
+    let plan = validate_fp4(
+        args.hidden_state,
+        args.input_row_offsets,
+        (w.format(), w.rows(), w.k()),
+        args.tensor_sf,
+        args.q_dim,
+        output.len(),
+        kv,
+    )?;
+    let packed = PackedWeights::pack(w, exec.parallel());
+    let packed_args = QkvFp4PackedArgs {
+        hidden_state: args.hidden_state,
+        input_row_offsets: args.input_row_offsets,
+        weight: &packed,
+        tensor_sf: args.tensor_sf,
+        q_dim: args.q_dim,
+    };
+    fp4_into_cache(&packed_args, output, kv, exec, token, &plan);
+    Ok(())
+}
+
+/// The fast fused QKV with a prepacked weight: validates everything, then runs the kernels and
+/// routes Q to `output` and K/V into the cache (nothing is written on error). The
+/// `serve_decode` example shows it in a decode loop.
+///
+/// # Examples
+/// ```
+/// use paged_qkv::formats::quantize::{amax, nvfp4_global_scale, quantize};
+/// use paged_qkv::fast::{self, PackedWeights, QkvFp4PackedArgs};
+/// use paged_qkv::{BlockFormat, CacheShape, Exec, KvWrite, PageTable, PagedKvCache, bf16};
+///
+/// # fn main() -> paged_qkv::Result<()> {
+/// let (k, q_dim, n) = (64, 32, 64);
+/// let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.11).cos()).collect();
+/// let packed = PackedWeights::new(quantize(BlockFormat::Nvfp4, &w, n, k, nvfp4_global_scale(amax(&w)))?.as_ref());
+/// let x: Vec<f32> = (0..k).map(|i| (i as f32 * 0.37).sin()).collect();
+/// let a = quantize(BlockFormat::Nvfp4, &x, 1, k, nvfp4_global_scale(amax(&x)))?;
+/// let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(4, 1, 8, 1, 16)?);
+/// let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[1], 1, &[3])?, 0);
+/// let mut q = vec![bf16::ZERO; q_dim];
+/// let args = QkvFp4PackedArgs::new(a.as_ref(), &[0, 1], &packed, q_dim);
+/// fast::qkv_fp4_ragged_packed(&args, &mut q, &mut kv, Exec::default())?;
+/// assert_ne!(cache.get(1, 0, 0, 3, 0, 0), bf16::ZERO); // block 1, slot 3: position 3
+/// # Ok(())
+/// # }
+/// ```
+#[doc(alias = "fused_qkv_matmul_kv_cache_paged_ragged_scale_float4")]
+pub fn qkv_fp4_ragged_packed<O: Element, C: Element>(
+    args: &QkvFp4PackedArgs<'_>,
+    output: &mut [O],
+    kv: &mut KvWrite<'_, C>,
+    exec: Exec,
+) -> Result<()> {
+    let token = IsaToken::new(exec.isa)?;
+    let w = args.weight;
+    let plan = validate_fp4(
+        args.hidden_state,
+        args.input_row_offsets,
+        (w.format(), w.rows(), w.k()),
+        args.tensor_sf,
+        args.q_dim,
+        output.len(),
+        kv,
+    )?;
+    fp4_into_cache(args, output, kv, exec, token, &plan);
+    Ok(())
+}
+
+/// Runs a validated block-scaled call into the cache (nothing here can fail).
+fn fp4_into_cache<O: Element, C: Element>(
+    args: &QkvFp4PackedArgs<'_>,
+    output: &mut [O],
+    kv: &mut KvWrite<'_, C>,
+    exec: Exec,
+    token: IsaToken,
+    plan: &SlotPlan,
+) {
+    let m = args.hidden_state.rows();
+    if m == 0 {
+        return;
+    }
+    let shape = kv.cache.shape();
+    let dest = QkvDest::new(output, kv.cache.data_mut(), shape, kv.layer_idx, plan, args.q_dim, args.weight.rows());
+    run_fp4(args.hidden_state, args.weight, args.tensor_sf, &dest, exec, token, shape.head_size());
+}
+
+fn run_fp4<D: Dest>(
+    a: QuantizedRef<'_>,
+    w: &PackedWeights,
+    tensor_sf: f32,
+    dest: &D,
+    exec: Exec,
+    token: IsaToken,
+    head: usize,
+) {
+    let acts = Fp4Acts::prepare(a);
+    let src = Fp4Operands { w, a: &acts, tensor_sf };
+    let panels = Panels::new(w.rows(), Panels::target(head), |c| dest.may_cut(c));
+    run(&src, dest, a.rows(), token, exec.parallel(), &panels);
+}
+
+/// The same block-scaled kernels writing a plain row-major `[M, N]` matrix
+/// (`output[m, n] = round(tensor_sf · Σ …)`): a block-scaled GEMM `A · Wᵀ` without routing.
+pub fn matmul_fp4_packed<O: Element>(
+    a: QuantizedRef<'_>,
+    weight: &PackedWeights,
+    tensor_sf: f32,
+    output: &mut [O],
+    exec: Exec,
+) -> Result<()> {
+    let token = IsaToken::new(exec.isa)?;
+    if a.format() != weight.format() || a.k() != weight.k() {
+        return Err(Error::FormatMismatch {
+            hidden_state: a.format(),
+            hidden_k: a.k(),
+            weight: weight.format(),
+            weight_k: weight.k(),
+        });
+    }
+    if !tensor_sf.is_finite() {
+        return Err(Error::NonFinite { arg: "tensor_sf", index: 0 });
+    }
+    let (m, n) = (a.rows(), weight.rows());
+    check_tensor("output", output.len(), &[m, n])?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    run_fp4(a, weight, tensor_sf, &MatrixDest::new(output, n), exec, token, 128);
+    Ok(())
+}
+
+/// The fast [`reference::qkv_ragged`](crate::reference::qkv_ragged) (bf16/f16/f32, optional
+/// bias), with the raw weight packed on every call (a server packs once and calls
+/// [`qkv_ragged_packed`]).
+///
+/// # Examples
+/// ```
+/// use paged_qkv::{CacheShape, Exec, KvWrite, PageTable, PagedKvCache, QkvRaggedArgs, bf16, fast};
+///
+/// # fn main() -> paged_qkv::Result<()> {
+/// let (k, q_dim, n) = (64, 32, 64); // 2 Q heads and 1 KV head of 16
+/// let x: Vec<bf16> = (0..3 * k).map(|i| bf16::from_f32((i as f32 * 0.37).sin())).collect();
+/// let w: Vec<bf16> = (0..n * k).map(|i| bf16::from_f32((i as f32 * 0.11).cos() / 8.0)).collect();
+/// let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(4, 1, 8, 1, 16)?);
+/// let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0, 3], 1, &[5, 0])?, 0);
+/// let mut q = vec![bf16::ZERO; 3 * q_dim];
+/// let args = QkvRaggedArgs { hidden_state: &x, input_row_offsets: &[0, 2, 3], weight: &w, hidden_size: k, bias: None, q_dim };
+/// fast::qkv_ragged(&args, &mut q, &mut kv, Exec::default())?;
+/// # Ok(())
+/// # }
+/// ```
+#[doc(alias = "fused_qkv_matmul_kv_cache_paged_ragged")]
+#[doc(alias = "fused_qkv_matmul_kv_cache_paged_ragged_bias")]
+pub fn qkv_ragged<T: Element, O: Element, C: Element>(
+    args: &QkvRaggedArgs<'_, T>,
+    output: &mut [O],
+    kv: &mut KvWrite<'_, C>,
+    exec: Exec,
+) -> Result<()> {
+    let token = IsaToken::new(exec.isa)?;
+    let k = args.hidden_size;
+    let n = weight_rows(args.weight, k)?;
+    let plan = validate_qkv_ragged(
+        args.hidden_state.len(),
+        args.input_row_offsets,
+        (n, k),
+        args.bias.map(|b| b.len()),
+        args.q_dim,
+        output.len(),
+        kv,
+    )?;
+    let w = PackedPlainWeights::pack(args.weight, n, k, exec.parallel());
+    plain_into_cache(args.hidden_state, &w, args.bias, args.q_dim, output, kv, exec, token, &plan);
+    Ok(())
+}
+
+/// [`qkv_ragged`] with a prepacked weight.
+///
+/// # Examples
+/// ```
+/// use paged_qkv::fast::{self, PackedPlainWeights, QkvRaggedPackedArgs};
+/// use paged_qkv::{CacheShape, Exec, KvWrite, PageTable, PagedKvCache, bf16};
+///
+/// # fn main() -> paged_qkv::Result<()> {
+/// let (k, q_dim, n) = (64, 32, 64);
+/// let w: Vec<bf16> = (0..n * k).map(|i| bf16::from_f32((i as f32 * 0.11).cos() / 8.0)).collect();
+/// let bias = vec![bf16::from_f32(0.5); n];
+/// let packed = PackedPlainWeights::new(&w, k)?; // once, at load time
+/// let x: Vec<bf16> = (0..k).map(|i| bf16::from_f32((i as f32 * 0.37).sin())).collect();
+/// let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(4, 1, 8, 1, 16)?);
+/// let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[2], 1, &[7])?, 0);
+/// let mut q = vec![bf16::ZERO; q_dim];
+/// let args = QkvRaggedPackedArgs { hidden_state: &x, input_row_offsets: &[0, 1], weight: &packed, bias: Some(&bias), q_dim };
+/// fast::qkv_ragged_packed(&args, &mut q, &mut kv, Exec::default())?;
+/// # Ok(())
+/// # }
+/// ```
+#[doc(alias = "fused_qkv_matmul_kv_cache_paged_ragged")]
+#[doc(alias = "fused_qkv_matmul_kv_cache_paged_ragged_bias")]
+pub fn qkv_ragged_packed<T: Element, O: Element, C: Element>(
+    args: &QkvRaggedPackedArgs<'_, T>,
+    output: &mut [O],
+    kv: &mut KvWrite<'_, C>,
+    exec: Exec,
+) -> Result<()> {
+    let token = IsaToken::new(exec.isa)?;
+    let w = args.weight;
+    let plan = validate_qkv_ragged(
+        args.hidden_state.len(),
+        args.input_row_offsets,
+        (w.rows(), w.k()),
+        args.bias.map(|b| b.len()),
+        args.q_dim,
+        output.len(),
+        kv,
+    )?;
+    plain_into_cache(args.hidden_state, w, args.bias, args.q_dim, output, kv, exec, token, &plan);
+    Ok(())
+}
+
+/// The fast [`reference::qkv_bshd`](crate::reference::qkv_bshd) (MAX's
+/// `fused_qkv_matmul_kv_cache_bshd_paged`), with the raw weight packed on every call. Padded rows
+/// (`t ≥ valid_lengths[b]`) compute and write their Q columns only.
+///
+/// # Examples
+/// ```
+/// use paged_qkv::{CacheShape, Exec, KvWrite, PageTable, PagedKvCache, QkvBshdArgs, bf16, fast};
+///
+/// # fn main() -> paged_qkv::Result<()> {
+/// let (k, q_dim, n, seq) = (64, 32, 64, 4);
+/// let x: Vec<bf16> = (0..2 * seq * k).map(|i| bf16::from_f32((i as f32 * 0.37).sin())).collect();
+/// let w: Vec<bf16> = (0..n * k).map(|i| bf16::from_f32((i as f32 * 0.11).cos() / 8.0)).collect();
+/// let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(4, 1, 8, 1, 16)?);
+/// let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0, 1], 1, &[0, 2])?, 0);
+/// let mut q = vec![bf16::ZERO; 2 * seq * q_dim];
+/// let args = QkvBshdArgs { hidden_state: &x, batch: 2, seq_len: seq, hidden_size: k, weight: &w, valid_lengths: &[4, 1], q_dim };
+/// fast::qkv_bshd(&args, &mut q, &mut kv, Exec::default())?;
+/// # Ok(())
+/// # }
+/// ```
+#[doc(alias = "fused_qkv_matmul_kv_cache_bshd_paged")]
+pub fn qkv_bshd<T: Element, O: Element, C: Element>(
+    args: &QkvBshdArgs<'_, T>,
+    output: &mut [O],
+    kv: &mut KvWrite<'_, C>,
+    exec: Exec,
+) -> Result<()> {
+    let token = IsaToken::new(exec.isa)?;
+    let k = args.hidden_size;
+    let n = weight_rows(args.weight, k)?;
+    let plan = validate_qkv_bshd(
+        args.hidden_state.len(),
+        (args.batch, args.seq_len),
+        (n, k),
+        args.valid_lengths,
+        args.q_dim,
+        output.len(),
+        kv,
+    )?;
+    let w = PackedPlainWeights::pack(args.weight, n, k, exec.parallel());
+    plain_into_cache(args.hidden_state, &w, None, args.q_dim, output, kv, exec, token, &plan);
+    Ok(())
+}
+
+/// [`qkv_bshd`] with a prepacked weight.
+#[doc(alias = "fused_qkv_matmul_kv_cache_bshd_paged")]
+pub fn qkv_bshd_packed<T: Element, O: Element, C: Element>(
+    args: &QkvBshdPackedArgs<'_, T>,
+    output: &mut [O],
+    kv: &mut KvWrite<'_, C>,
+    exec: Exec,
+) -> Result<()> {
+    let token = IsaToken::new(exec.isa)?;
+    let w = args.weight;
+    let plan = validate_qkv_bshd(
+        args.hidden_state.len(),
+        (args.batch, args.seq_len),
+        (w.rows(), w.k()),
+        args.valid_lengths,
+        args.q_dim,
+        output.len(),
+        kv,
+    )?;
+    plain_into_cache(args.hidden_state, w, None, args.q_dim, output, kv, exec, token, &plan);
+    Ok(())
+}
+
+/// Runs a validated bf16/f16/f32 call into the cache (nothing here can fail).
+#[allow(clippy::too_many_arguments)]
+fn plain_into_cache<T: Element, O: Element, C: Element>(
+    x: &[T],
+    w: &PackedPlainWeights<T>,
+    bias: Option<&[T]>,
+    q_dim: usize,
+    output: &mut [O],
+    kv: &mut KvWrite<'_, C>,
+    exec: Exec,
+    token: IsaToken,
+    plan: &SlotPlan,
+) {
+    let m = plan.rows.len();
+    if m == 0 {
+        return;
+    }
+    let shape = kv.cache.shape();
+    let dest = QkvDest::new(output, kv.cache.data_mut(), shape, kv.layer_idx, plan, q_dim, w.rows());
+    run_plain(x, m, w, bias, &dest, exec, token, shape.head_size());
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_plain<T: Element, D: Dest>(
+    x: &[T],
+    m: usize,
+    w: &PackedPlainWeights<T>,
+    bias: Option<&[T]>,
+    dest: &D,
+    exec: Exec,
+    token: IsaToken,
+    head: usize,
+) {
+    let acts = PlainActs::prepare(x, m, w.k(), token, w.kind);
+    let src = PlainOperands { w, a: &acts, bias };
+    let panels = Panels::new(w.rows(), Panels::target(head), |c| dest.may_cut(c));
+    run(&src, dest, m, token, exec.parallel(), &panels);
+}
+
+/// The bf16/f16/f32 kernels writing a plain row-major `[M, N]` matrix
+/// (`output[m, n] = round(Σ_k x[m, k] · w[n, k] (+ bias[n]))`): `X · Wᵀ` without routing.
+pub fn matmul_plain_packed<T: Element, O: Element>(
+    x: &[T],
+    weight: &PackedPlainWeights<T>,
+    bias: Option<&[T]>,
+    output: &mut [O],
+    exec: Exec,
+) -> Result<()> {
+    let token = IsaToken::new(exec.isa)?;
+    let (k, n) = (weight.k(), weight.rows());
+    if !x.len().is_multiple_of(k) {
+        return Err(Error::Shape { arg: "hidden_state", expected: crate::error::Expected::RowsOf(k), found: x.len() });
+    }
+    let m = x.len() / k;
+    if let Some(b) = bias {
+        check_tensor("bias", b.len(), &[n])?;
+    }
+    check_tensor("output", output.len(), &[m, n])?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    run_plain(x, m, weight, bias, &MatrixDest::new(output, n), exec, token, 128);
+    Ok(())
+}

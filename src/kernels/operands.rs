@@ -1,0 +1,225 @@
+//! Kernel families as the scheduler and the epilogue see them: packed operands that compute
+//! accumulator tiles through `crate::simd`, turn an accumulator into the value to round, and
+//! compute any element exactly.
+//!
+//! **The exact path.** The fast order cannot be trusted where an intermediate leaves f32's range:
+//! a block term that overflows makes the accumulator ∞ or NaN although the true value may be
+//! finite (the oracle's answer can be 0), and an MX scale product below 2^-126 would be flushed.
+//! Such elements — any whose fast value is not finite, whose MX scale exponents could underflow,
+//! or that meet a NaN scale — are recomputed exactly (integer or fixed-point accumulation, one
+//! rounding), so they equal the oracle's `Exact` mode. The condition depends only on the
+//! accumulator's bits and the operands, which every ISA shares, so results stay bit-identical
+//! across ISAs. Ordinary inputs never take this path; adversarial ones pay the oracle's cost for
+//! the elements that do.
+
+// Index loops mirror the packed layout's formulas; iterator chains would hide them.
+#![allow(clippy::needless_range_loop)]
+
+use super::pack::{Fp4Acts, PackedPlainWeights, PackedWeights, PlainActs};
+use crate::element::Element;
+use crate::formats::BlockFormat;
+use crate::formats::fp4::E2M1_DOUBLED;
+use crate::formats::fp8::{e4m3_to_f32, e4m3_to_units};
+use crate::reference::exact::{ExactSum, f32_parts};
+use crate::simd::fp4::{E8M0_ACT_BIAS, ScaleKind, scale_product};
+use crate::simd::plain::PlainRows;
+use crate::simd::{GROUP, IsaToken, MR};
+
+/// A kernel family's packed operands.
+pub(crate) trait Operands: Sync {
+    /// Rows per task tile.
+    const MC: usize;
+    /// Accumulators of the listed rows × panel columns `c0 .. c1` (multiples of 16) into
+    /// `buf[i · (c1 − c0) + (c − c0)]`.
+    fn tile(&self, token: IsaToken, rows: &[usize], c0: usize, c1: usize, buf: &mut [f32]);
+    /// The value to round for `(row, col)` from its accumulator, or `None` when the exact path
+    /// must decide it.
+    fn value(&self, row: usize, col: usize, acc: f32) -> Option<f32>;
+    /// The exact value of `(row, col)`, rounded to odd in f64 (one more rounding to any of the
+    /// crate's element types is the correctly rounded result).
+    fn exact(&self, row: usize, col: usize) -> f64;
+}
+
+/// Block-scaled operands: `value = tensor_sf · Σ …`.
+pub(crate) struct Fp4Operands<'a> {
+    pub w: &'a PackedWeights,
+    pub a: &'a Fp4Acts,
+    pub tensor_sf: f32,
+}
+
+impl Fp4Operands<'_> {
+    /// Whether an E8M0 scale product of (row, col) could leave f32's normal range at the low end
+    /// (the kernels flush it to 0): the smallest exponent sum reaches the bottom of the field.
+    fn may_underflow(&self, row: usize, col: usize) -> bool {
+        let bias = match self.w.format {
+            BlockFormat::Nvfp4 => return false,
+            BlockFormat::Mxfp4 => E8M0_ACT_BIAS,
+            BlockFormat::Mxfp8 => 127,
+        };
+        self.w.min_scale[col] as i32 + self.a.min_scale[row] as i32 - bias <= 0
+    }
+
+    /// MXFP8 accumulators of `rows` (≤ MR) × group `g` (all ISAs: the scalar kernel): per block an
+    /// f32 sum of exact products in k order, times the block-scale product.
+    fn group_fp8(&self, g: usize, rows: &[usize], out: &mut [[f32; GROUP]; MR]) {
+        let (w, a) = (self.w, self.a);
+        let v = w.format.vector_size();
+        for c in 0..GROUP {
+            let (wd, ws) = w.fp8_col(g * GROUP + c);
+            for (o, &row) in out.iter_mut().zip(rows) {
+                let af = &a.af[row * a.kp..(row + 1) * a.kp];
+                let mut acc = 0f32;
+                for b in 0..a.kb {
+                    let mut bs = 0f32;
+                    for kk in b * v..(b + 1) * v {
+                        bs += af[kk] * e4m3_to_f32(wd[kk]); // exact product: one rounding, as an FMA
+                    }
+                    acc = bs.mul_add(scale_product(ScaleKind::E8m0, ws[b], a.sc[row * a.kb + b]), acc);
+                }
+                o[c] = acc;
+            }
+        }
+    }
+}
+
+/// An exact scale `(mantissa, exponent)`, or `None` for a NaN scale.
+fn exact_scale(format: BlockFormat, byte: u8) -> Option<(i128, i32)> {
+    match format {
+        BlockFormat::Nvfp4 => e4m3_to_units(byte & 0x7F).map(|u| (u as i128, -9)),
+        _ if byte == 0xFF => None,
+        _ => Some((1, byte as i32 - 127)),
+    }
+}
+
+impl Operands for Fp4Operands<'_> {
+    const MC: usize = 64;
+
+    fn tile(&self, token: IsaToken, rows: &[usize], c0: usize, c1: usize, buf: &mut [f32]) {
+        let width = c1 - c0;
+        let mut tile = [[0f32; GROUP]; MR];
+        for g in c0 / GROUP..c1 / GROUP {
+            let group = self.w.format.is_fp4().then(|| self.w.fp4_group(g));
+            for (ci, chunk) in rows.chunks(MR).enumerate() {
+                match &group {
+                    Some(gr) => crate::simd::fp4_group(token, gr, &self.a.fp4_rows(chunk), &mut tile),
+                    None => self.group_fp8(g, chunk, &mut tile),
+                }
+                for (i, t) in tile.iter().enumerate().take(chunk.len()) {
+                    let off = (ci * MR + i) * width + g * GROUP - c0;
+                    buf[off..off + GROUP].copy_from_slice(t);
+                }
+            }
+        }
+    }
+
+    #[inline]
+    fn value(&self, row: usize, col: usize, acc: f32) -> Option<f32> {
+        if self.a.nan_row[row] || self.w.nan_col[col] || self.may_underflow(row, col) {
+            return None;
+        }
+        let v = acc * self.tensor_sf;
+        v.is_finite().then_some(v)
+    }
+
+    fn exact(&self, row: usize, col: usize) -> f64 {
+        let (w, a, f) = (self.w, self.a, self.w.format);
+        let (v, k) = (f.vector_size(), w.k);
+        let (tm, te) = f32_parts(self.tensor_sf);
+        let mut acc = ExactSum::new();
+        for b in 0..w.kb {
+            let (Some((sa, ea)), Some((sb, eb))) =
+                (exact_scale(f, a.raw_scale(row, b)), exact_scale(f, w.raw_scale(col, b)))
+            else {
+                return f64::NAN;
+            };
+            let range = b * v..((b + 1) * v).min(k);
+            if f.is_fp4() {
+                // Doubled E2M1 on both sides: value = isum · 2^-2.
+                let isum: i128 =
+                    range.map(|kk| a.a2(row, kk) as i128 * E2M1_DOUBLED[w.fp4_code(col, kk) as usize] as i128).sum();
+                acc.add(isum * sa * sb * tm as i128, -2 + ea + eb + te);
+            } else {
+                let (wd, _) = w.fp8_col(col);
+                let mut isum = 0i128;
+                for kk in range {
+                    let (Some(x), Some(y)) = (e4m3_to_units_f32(a.af[row * a.kp + kk]), e4m3_to_units(wd[kk])) else {
+                        return f64::NAN;
+                    };
+                    isum += x as i128 * y as i128;
+                }
+                acc.add(isum * sa * sb * tm as i128, -18 + ea + eb + te);
+            }
+        }
+        acc.to_f64_round_odd()
+    }
+}
+
+/// An E4M3 value decoded to f32 back to its units of 2^-9 (`None` for NaN).
+fn e4m3_to_units_f32(x: f32) -> Option<i32> {
+    if x.is_nan() {
+        return None;
+    }
+    if x == 0.0 {
+        return Some(0);
+    }
+    let (m, e) = f32_parts(x);
+    // Every E4M3 value is an integer multiple of 2^-9 below 2^9: exact.
+    Some(if e + 9 >= 0 { (m << (e + 9)) as i32 } else { (m >> -(e + 9)) as i32 })
+}
+
+/// bf16/f16/f32 operands: `value = Σ a·w (+ bias)`.
+pub(crate) struct PlainOperands<'a, T> {
+    pub w: &'a PackedPlainWeights<T>,
+    pub a: &'a PlainActs,
+    pub bias: Option<&'a [T]>,
+}
+
+/// Row tile of the bf16/f16/f32 kernels: a multiple of every micro-kernel's row count (12, 6, 4).
+const PLAIN_MC: usize = 96;
+
+impl<T: Element> Operands for PlainOperands<'_, T> {
+    const MC: usize = PLAIN_MC;
+
+    fn tile(&self, token: IsaToken, rows: &[usize], c0: usize, c1: usize, buf: &mut [f32]) {
+        const EMPTY_F: &[f32] = &[];
+        const EMPTY_P: &[u32] = &[];
+        let panel = self.w.panel(c0 / GROUP, c1 / GROUP);
+        let width = c1 - c0;
+        for (ci, chunk) in rows.chunks(PLAIN_MC).enumerate() {
+            let out = &mut buf[ci * PLAIN_MC * width..(ci * PLAIN_MC + chunk.len()) * width];
+            if self.a.is_pairs() {
+                let mut r = [EMPTY_P; PLAIN_MC];
+                for (d, &i) in r.iter_mut().zip(chunk) {
+                    *d = self.a.pair_row(i);
+                }
+                crate::simd::plain_panel(token, &panel, &PlainRows::Bf16Pairs(&r[..chunk.len()]), out, width);
+            } else {
+                let mut r = [EMPTY_F; PLAIN_MC];
+                for (d, &i) in r.iter_mut().zip(chunk) {
+                    *d = self.a.f32_row(i);
+                }
+                crate::simd::plain_panel(token, &panel, &PlainRows::F32(&r[..chunk.len()]), out, width);
+            }
+        }
+    }
+
+    #[inline]
+    fn value(&self, _row: usize, col: usize, acc: f32) -> Option<f32> {
+        let v = match self.bias {
+            Some(b) => acc + b[col].to_f32(),
+            None => acc,
+        };
+        v.is_finite().then_some(v)
+    }
+
+    fn exact(&self, row: usize, col: usize) -> f64 {
+        let mut acc = ExactSum::new();
+        for k in 0..self.w.k {
+            acc.add_product_f32(self.a.get(row, k), self.w.get(col, k));
+        }
+        if let Some(b) = self.bias {
+            acc.add_f32(b[col].to_f32());
+        }
+        acc.to_f64_round_odd()
+    }
+}

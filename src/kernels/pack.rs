@@ -1,0 +1,429 @@
+//! Packers: one per operand family. A packer is the only place the fast path decodes a format.
+//!
+//! * [`PackedWeights`]: a block-scaled weight (NVFP4, MXFP4, MXFP8), packed once.
+//! * [`Fp4Acts`]: block-scaled activations, prepared once per call.
+//! * [`PackedPlainWeights`]: a bf16/f16/f32 weight, packed once.
+//! * [`PlainActs`]: bf16/f16/f32 activations, prepared once per call.
+//!
+//! **Scales without denormals.** NVFP4 weight scales are repacked from E4M3 to an unsigned E5M3
+//! byte (bias 15, exact for every E4M3 value, subnormals included), whose bits shifted left by 20
+//! are a *normal* f32 equal to `scale · 2^-112`; activation scales are stored as f32
+//! `scale · 2^110`. Their product is the exact scale product times 1/4 (the doubled E2M1 values
+//! on both sides make every integer block sum 4× the products), and no operand is ever an f32
+//! denormal (which costs a microcode assist per multiply on x86). MX (E8M0) scale products are
+//! formed by adding exponents in integers and shifting into an f32 exponent field.
+
+// Index loops mirror the packed layout's formulas; iterator chains would hide them.
+#![allow(clippy::needless_range_loop)]
+
+use crate::element::Element;
+use crate::error::Result;
+use crate::formats::fp4::{E2M1_DOUBLED, fp4_code};
+use crate::formats::fp8::{e4m3_scale_to_f32, e4m3_to_f32};
+use crate::formats::{BlockFormat, QuantizedRef};
+use crate::ops::weight_rows;
+use crate::simd::fp4::{E5M3_ACT_EXP, E8M0_ACT_BIAS, Fp4Group, Fp4Rows, ScaleKind};
+use crate::simd::plain::{PlainKind, PlainPanel, PlainRows};
+use crate::simd::{GROUP, IsaToken, MR};
+use rayon::prelude::*;
+use std::marker::PhantomData;
+
+/// The unsigned E5M3 byte (bias 15) of `|E4M3 scale byte|`, exact; `None` for NaN.
+pub(crate) fn e5m3_from_e4m3_scale(b: u8) -> Option<u8> {
+    let v = e4m3_scale_to_f32(b);
+    if v.is_nan() {
+        return None;
+    }
+    if v == 0.0 {
+        return Some(0);
+    }
+    let bits = v.to_bits();
+    let e = ((bits >> 23) & 0xFF) as i32 - 127; // v is a normal f32 (≥ 2^-9)
+    let m = (bits >> 20) & 7;
+    Some((((e + 15) as u32) << 3 | m) as u8)
+}
+
+/// Fills `n` packed units in parallel (on the current rayon pool) or sequentially.
+fn fill_chunks<T: Send>(data: &mut [T], chunk: usize, parallel: bool, f: impl Fn(usize, &mut [T]) + Sync + Send) {
+    if chunk == 0 {
+        return;
+    }
+    if parallel {
+        data.par_chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i, c));
+    } else {
+        data.chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i, c));
+    }
+}
+
+/// A block-scaled weight `[N, K]` (NVFP4, MXFP4, MXFP8) repacked once for the fast kernels
+/// (ggml-style repack): a server builds it at load time and passes it to every call of
+/// [`qkv_fp4_ragged_packed`](crate::fast::qkv_fp4_ragged_packed) (see the `serve_decode` example).
+///
+/// It remembers the weight's [`tensor_scale`](Self::tensor_scale), so the operation's `tensor_sf`
+/// is `activations.tensor_scale() · packed.tensor_scale()`
+/// ([`QkvFp4PackedArgs::new`](crate::QkvFp4PackedArgs::new) forms it). The layout is the same for
+/// every ISA: FP4 formats in 16-column groups (two nibbles of adjacent k-quads per byte) with
+/// denormal-free scale bytes, MXFP8 row-major. About 1.03× the bytes of the original weight.
+#[derive(Debug, Clone)]
+pub struct PackedWeights {
+    pub(crate) format: BlockFormat,
+    pub(crate) n: usize,
+    pub(crate) k: usize,
+    pub(crate) kb: usize,
+    tensor_scale: f32,
+    data: Vec<u8>,
+    /// Kernel scale bytes (E5M3 / E8M0), in the kernels' layout.
+    scales: Vec<u8>,
+    /// The original scale bytes, `[n][kb]`, for the exact path.
+    raw_scales: Vec<u8>,
+    /// Per column: a NaN scale, and the smallest and largest E8M0 scale byte (MX formats).
+    pub(crate) nan_col: Vec<bool>,
+    pub(crate) min_scale: Vec<u8>,
+}
+
+impl PackedWeights {
+    /// Repacks a weight (validated by [`QuantizedRef::new`]), in parallel on the current rayon
+    /// pool, keeping its [`tensor_scale`](QuantizedRef::tensor_scale).
+    pub fn new(weight: QuantizedRef<'_>) -> Self {
+        Self::pack(weight, true)
+    }
+
+    pub(crate) fn pack(w: QuantizedRef<'_>, parallel: bool) -> Self {
+        let (format, n, k) = (w.format(), w.rows(), w.k());
+        let v = format.vector_size();
+        let kb = w.k_blocks();
+        let groups = n.div_ceil(GROUP);
+        let raw_scales: Vec<u8> = (0..n).flat_map(|r| (0..kb).map(move |b| w.scale_byte(r, b))).collect();
+        let nan_col: Vec<bool> =
+            (0..n).map(|r| raw_scales[r * kb..(r + 1) * kb].iter().any(|&b| format.scale_to_f32(b).is_nan())).collect();
+        let min_scale = (0..n).map(|r| raw_scales[r * kb..(r + 1) * kb].iter().copied().min().unwrap_or(0)).collect();
+        let (data, scales) = if format.is_fp4() {
+            let pairs = v / 8;
+            let gbytes = kb * pairs * 64;
+            let mut data = vec![0u8; groups * gbytes];
+            let mut scales = vec![0u8; groups * kb * GROUP];
+            fill_chunks(&mut data, gbytes, parallel, |g, d| {
+                for c in 0..GROUP.min(n.saturating_sub(g * GROUP)) {
+                    let row = w.row(g * GROUP + c);
+                    let code = |kk: usize| if kk < k { fp4_code(row, kk) } else { 0 };
+                    for b in 0..kb {
+                        for p in 0..pairs {
+                            for j in 0..4 {
+                                let k0 = b * v + p * 8 + j;
+                                d[(b * pairs + p) * 64 + c * 4 + j] = code(k0) | code(k0 + 4) << 4;
+                            }
+                        }
+                    }
+                }
+            });
+            for col in 0..n {
+                for b in 0..kb {
+                    let sb = raw_scales[col * kb + b];
+                    scales[(col / GROUP * kb + b) * GROUP + col % GROUP] = match format {
+                        BlockFormat::Nvfp4 => e5m3_from_e4m3_scale(sb).unwrap_or(0),
+                        _ => sb,
+                    };
+                }
+            }
+            (data, scales)
+        } else {
+            // MXFP8: row-major [groups·16, kb·V] bytes and [groups·16, kb] scale bytes.
+            let kp = kb * v;
+            let mut data = vec![0u8; groups * GROUP * kp];
+            for col in 0..n {
+                data[col * kp..col * kp + k].copy_from_slice(w.row(col));
+            }
+            let mut scales = raw_scales.clone();
+            scales.resize(groups * GROUP * kb, 0);
+            (data, scales)
+        };
+        PackedWeights { format, n, k, kb, tensor_scale: w.tensor_scale(), data, scales, raw_scales, nan_col, min_scale }
+    }
+
+    /// The format.
+    pub fn format(&self) -> BlockFormat {
+        self.format
+    }
+    /// Rows (N).
+    pub fn rows(&self) -> usize {
+        self.n
+    }
+    /// Logical K.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+    /// The weight's dequantization multiplier, as it was when packed.
+    pub fn tensor_scale(&self) -> f32 {
+        self.tensor_scale
+    }
+    /// Bytes held (data, kernel scales and the original scales kept for the exact path).
+    pub fn size_bytes(&self) -> usize {
+        self.data.len() + self.scales.len() + self.raw_scales.len()
+    }
+
+    /// Group `g` of an FP4 format.
+    pub(crate) fn fp4_group(&self, g: usize) -> Fp4Group<'_> {
+        let pairs = self.format.vector_size() / 8;
+        let gb = self.kb * pairs * 64;
+        Fp4Group {
+            w: &self.data[g * gb..(g + 1) * gb],
+            ws: &self.scales[g * self.kb * GROUP..(g + 1) * self.kb * GROUP],
+            pairs,
+            kb: self.kb,
+            kind: if self.format == BlockFormat::Nvfp4 { ScaleKind::E5m3 } else { ScaleKind::E8m0 },
+        }
+    }
+
+    /// MXFP8 column `col`: `kb·V` data bytes and `kb` scale bytes.
+    pub(crate) fn fp8_col(&self, col: usize) -> (&[u8], &[u8]) {
+        let kp = self.kb * self.format.vector_size();
+        (&self.data[col * kp..(col + 1) * kp], &self.scales[col * self.kb..(col + 1) * self.kb])
+    }
+
+    /// The E2M1 code of element `k` of column `col` (FP4 formats).
+    pub(crate) fn fp4_code(&self, col: usize, k: usize) -> u8 {
+        let (v, pairs) = (self.format.vector_size(), self.format.vector_size() / 8);
+        let (b, r) = (k / v, k % v);
+        let (p, q) = (r / 8, r % 8);
+        let byte = self.data[(col / GROUP) * self.kb * pairs * 64 + (b * pairs + p) * 64 + (col % GROUP) * 4 + q % 4];
+        if q < 4 { byte & 0xF } else { byte >> 4 }
+    }
+
+    /// The original scale byte of (col, block).
+    pub(crate) fn raw_scale(&self, col: usize, b: usize) -> u8 {
+        self.raw_scales[col * self.kb + b]
+    }
+}
+
+/// 2^e for the exponents the packers use, built from its bits (exact by construction; `powi` is
+/// not guaranteed exact).
+const fn pow2(e: i32) -> f32 {
+    f32::from_bits(((e + 127) as u32) << 23)
+}
+
+/// Block-scaled activations prepared once per call.
+pub(crate) struct Fp4Acts {
+    /// FP4: doubled E2M1 as i8, `[m][kb·V]`.
+    a8: Vec<i8>,
+    /// MXFP8: decoded f32, `[m][kb·V]`.
+    pub af: Vec<f32>,
+    corr: Vec<i32>,
+    pub sc: Vec<u32>,
+    /// The original scale bytes, `[m][kb]`.
+    raw: Vec<u8>,
+    pub nan_row: Vec<bool>,
+    pub min_scale: Vec<u8>,
+    pub kp: usize,
+    pub kb: usize,
+}
+
+impl Fp4Acts {
+    pub fn prepare(a: QuantizedRef<'_>) -> Self {
+        let (format, m, k) = (a.format(), a.rows(), a.k());
+        let v = format.vector_size();
+        let kb = a.k_blocks();
+        let kp = kb * v;
+        let mut acts = Fp4Acts {
+            a8: Vec::new(),
+            af: Vec::new(),
+            corr: vec![0; m * kb],
+            sc: vec![0; m * kb],
+            raw: vec![0; m * kb],
+            nan_row: vec![false; m],
+            min_scale: vec![0; m],
+            kp,
+            kb,
+        };
+        if format.is_fp4() {
+            acts.a8 = vec![0; m * kp];
+        } else {
+            acts.af = vec![0.0; m * kp];
+        }
+        for r in 0..m {
+            let row = a.row(r);
+            for kk in 0..k {
+                if format.is_fp4() {
+                    acts.a8[r * kp + kk] = E2M1_DOUBLED[fp4_code(row, kk) as usize];
+                } else {
+                    acts.af[r * kp + kk] = e4m3_to_f32(row[kk]);
+                }
+            }
+            let mut min = u8::MAX;
+            for b in 0..kb {
+                let byte = a.scale_byte(r, b);
+                let i = r * kb + b;
+                acts.raw[i] = byte;
+                min = min.min(byte);
+                if format.is_fp4() {
+                    acts.corr[i] =
+                        12 * acts.a8[r * kp + b * v..r * kp + (b + 1) * v].iter().map(|&x| x as i32).sum::<i32>();
+                }
+                acts.sc[i] = match format {
+                    BlockFormat::Nvfp4 => {
+                        let s = e4m3_scale_to_f32(byte);
+                        acts.nan_row[r] |= s.is_nan();
+                        (if s.is_nan() { 0.0 } else { s * pow2(E5M3_ACT_EXP) }).to_bits()
+                    }
+                    BlockFormat::Mxfp4 => {
+                        acts.nan_row[r] |= byte == 0xFF;
+                        (byte as i32 - E8M0_ACT_BIAS) as u32
+                    }
+                    BlockFormat::Mxfp8 => {
+                        acts.nan_row[r] |= byte == 0xFF;
+                        (byte as i32 - 127) as u32
+                    }
+                };
+            }
+            acts.min_scale[r] = min;
+        }
+        acts
+    }
+
+    /// Rows `rows` (≤ MR; later entries repeat the last).
+    pub fn fp4_rows(&self, rows: &[usize]) -> Fp4Rows<'_> {
+        let (kp, kb) = (self.kp, self.kb);
+        let pick = |i: usize| rows[i.min(rows.len() - 1)];
+        Fp4Rows {
+            a: std::array::from_fn(|i| &self.a8[pick(i) * kp..(pick(i) + 1) * kp]),
+            corr: std::array::from_fn(|i| &self.corr[pick(i) * kb..(pick(i) + 1) * kb]),
+            sc: std::array::from_fn(|i| &self.sc[pick(i) * kb..(pick(i) + 1) * kb]),
+            count: rows.len().min(MR),
+        }
+    }
+
+    /// Doubled E2M1 element k of row r.
+    pub fn a2(&self, r: usize, k: usize) -> i8 {
+        self.a8[r * self.kp + k]
+    }
+
+    /// The original scale byte of (row, block).
+    pub fn raw_scale(&self, r: usize, b: usize) -> u8 {
+        self.raw[r * self.kb + b]
+    }
+}
+
+/// A bf16, f16 or f32 weight `[N, K]` packed once for the fast kernels: 16-column groups, K in
+/// k-pairs, the layout of every ISA's micro-kernel (see `crate::simd::plain`). A server builds it
+/// at load time and passes it to [`qkv_ragged_packed`](crate::fast::qkv_ragged_packed) or
+/// [`qkv_bshd_packed`](crate::fast::qkv_bshd_packed). The same bytes as the weight (f32 for
+/// E4M3, widened exactly), plus zero padding to whole groups and pairs.
+#[derive(Debug, Clone)]
+pub struct PackedPlainWeights<T> {
+    pub(crate) n: usize,
+    pub(crate) k: usize,
+    pub(crate) pairs: usize,
+    pub(crate) kind: PlainKind,
+    data: Vec<u32>,
+    _t: PhantomData<T>,
+}
+
+impl<T: Element> PackedPlainWeights<T> {
+    /// Packs a row-major `[N, hidden_size]` weight (`N = weight.len() / hidden_size`), in parallel
+    /// on the current rayon pool. Errors: `hidden_size == 0`, or a length that is not a whole
+    /// number of rows.
+    pub fn new(weight: &[T], hidden_size: usize) -> Result<Self> {
+        let k = hidden_size;
+        let n = weight_rows(weight, k)?;
+        Ok(Self::pack(weight, n, k, true))
+    }
+
+    pub(crate) fn pack(weight: &[T], n: usize, k: usize, parallel: bool) -> Self {
+        let kind = PlainKind::of::<T>();
+        let pairs = k.div_ceil(2);
+        let groups = n.div_ceil(GROUP);
+        let glen = pairs * kind.words_per_pair();
+        let mut data = vec![0u32; groups * glen];
+        let bits = |x: T| match kind {
+            PlainKind::F32 => x.to_f32().to_bits(),
+            _ => x.to_bits(),
+        };
+        fill_chunks(&mut data, glen, parallel, |g, d| {
+            let cols = GROUP.min(n - g * GROUP);
+            kind.pack_group(d, pairs, cols, k, |kk, c| bits(weight[(g * GROUP + c) * k + kk]));
+        });
+        PackedPlainWeights { n, k, pairs, kind, data, _t: PhantomData }
+    }
+
+    /// Rows (N).
+    pub fn rows(&self) -> usize {
+        self.n
+    }
+    /// K (`hidden_size`).
+    pub fn k(&self) -> usize {
+        self.k
+    }
+    /// Bytes held.
+    pub fn size_bytes(&self) -> usize {
+        4 * self.data.len()
+    }
+
+    /// Groups `g0 .. g1`.
+    pub(crate) fn panel(&self, g0: usize, g1: usize) -> PlainPanel<'_> {
+        let glen = self.pairs * self.kind.words_per_pair();
+        PlainPanel { data: &self.data[g0 * glen..g1 * glen], groups: g1 - g0, pairs: self.pairs, kind: self.kind }
+    }
+
+    /// Weight element (k, col), widened to f32.
+    pub(crate) fn get(&self, col: usize, k: usize) -> f32 {
+        let glen = self.pairs * self.kind.words_per_pair();
+        let g = col / GROUP;
+        self.kind.get(&self.data[g * glen..(g + 1) * glen], k, col % GROUP)
+    }
+}
+
+/// bf16/f16/f32 activations prepared once per call, in the form the ISA's kernel reads.
+pub(crate) struct PlainActs {
+    /// f32 rows `[m][2·pairs]` (the FMA kernels).
+    f: Vec<f32>,
+    /// bf16 pairs `[m][pairs]` (the `vdpbf16ps` kernel).
+    p: Vec<u32>,
+    pub pairs: usize,
+    bf16_pairs: bool,
+}
+
+impl PlainActs {
+    pub fn prepare<T: Element>(x: &[T], m: usize, k: usize, token: IsaToken, kind: PlainKind) -> Self {
+        let pairs = k.div_ceil(2);
+        if crate::simd::plain_wants_bf16_pairs(token, kind) {
+            let mut p = vec![0u32; m * pairs];
+            for r in 0..m {
+                for kk in 0..k {
+                    p[r * pairs + kk / 2] |= x[r * k + kk].to_bits() << (16 * (kk % 2));
+                }
+            }
+            PlainActs { f: Vec::new(), p, pairs, bf16_pairs: true }
+        } else {
+            let kp = 2 * pairs;
+            let mut f = vec![0f32; m * kp];
+            for r in 0..m {
+                for kk in 0..k {
+                    f[r * kp + kk] = x[r * k + kk].to_f32();
+                }
+            }
+            PlainActs { f, p: Vec::new(), pairs, bf16_pairs: false }
+        }
+    }
+
+    /// Whether rows are bf16 pairs.
+    pub fn is_pairs(&self) -> bool {
+        self.bf16_pairs
+    }
+
+    pub fn f32_row(&self, r: usize) -> &[f32] {
+        let kp = 2 * self.pairs;
+        &self.f[r * kp..(r + 1) * kp]
+    }
+
+    pub fn pair_row(&self, r: usize) -> &[u32] {
+        &self.p[r * self.pairs..(r + 1) * self.pairs]
+    }
+
+    /// Element k of row r, widened to f32 (exact).
+    pub fn get(&self, r: usize, k: usize) -> f32 {
+        if !self.bf16_pairs {
+            self.f[r * 2 * self.pairs + k]
+        } else {
+            PlainRows::Bf16Pairs(&[self.pair_row(r)]).get(0, k)
+        }
+    }
+}

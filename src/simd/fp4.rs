@@ -1,0 +1,102 @@
+//! The operands of the FP4 group kernels (how packed weights and prepared activations lie in
+//! memory) and the portable kernel, which defines the arithmetic every ISA reproduces bit for bit.
+
+use super::{GROUP, MR};
+use crate::formats::fp4::E2M1_DOUBLED;
+
+/// How the block scales of a packed FP4 group are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ScaleKind {
+    /// NVFP4: unsigned E5M3 weight bytes (bias 15: the bits shifted left by 20 are an f32 equal
+    /// to `scale · 2^-112`); activation scales as the f32 bits of `scale · 2^110`.
+    E5m3,
+    /// MXFP4: raw E8M0 weight bytes; activation scales as the i32 `e − 129`.
+    E8m0,
+}
+
+/// The exponent offsets that make the block-scale product `s` carry the `1/4` of doubled E2M1
+/// values (both operands are stored doubled, so every integer block sum is 4× the products):
+/// folding it into an exact power of two keeps `tensor_sf` out of the arithmetic until the one
+/// final multiply, where it cannot round early (a subnormal `tensor_sf · 1/4` would).
+pub(crate) const E5M3_ACT_EXP: i32 = 110;
+/// See [`E5M3_ACT_EXP`]: `e − 127` for the scale and `− 2` for the `1/4`.
+pub(crate) const E8M0_ACT_BIAS: i32 = 129;
+
+/// One 16-column group of packed FP4 weights: for block `kb` and pair `p` (8 k's), 64 bytes; byte
+/// `c·4 + j` holds column c's element `kb·V + 8p + j` in its low nibble and `+ 4` in its high one.
+pub(crate) struct Fp4Group<'a> {
+    pub w: &'a [u8],
+    /// `[kb][16]` scale bytes.
+    pub ws: &'a [u8],
+    /// V / 8.
+    pub pairs: usize,
+    /// Blocks.
+    pub kb: usize,
+    pub kind: ScaleKind,
+}
+
+/// Up to MR prepared activation rows (entries past `count` repeat the last row; their results
+/// are not used).
+pub(crate) struct Fp4Rows<'a> {
+    /// Doubled E2M1 activations, `kb · V` each (zero padded).
+    pub a: [&'a [i8]; MR],
+    /// `12 · Σa` per block (the x86 kernels' offset correction).
+    pub corr: [&'a [i32]; MR],
+    /// Per block scale: f32 bits (E5m3) or exponent offset (E8m0).
+    pub sc: [&'a [u32]; MR],
+    pub count: usize,
+}
+
+impl Fp4Rows<'_> {
+    pub fn count(&self) -> usize {
+        self.count
+    }
+}
+
+impl Fp4Group<'_> {
+    /// The lengths every kernel's unchecked loads rely on. Panics on violation (a bug, not input).
+    pub fn check(&self, rows: &Fp4Rows<'_>) {
+        assert!(rows.count >= 1 && rows.count <= MR);
+        assert!(self.w.len() >= self.kb * self.pairs * 64 && self.ws.len() >= self.kb * GROUP);
+        for r in 0..MR {
+            assert!(rows.a[r].len() >= self.kb * self.pairs * 8);
+            assert!(rows.corr[r].len() >= self.kb && rows.sc[r].len() >= self.kb);
+        }
+    }
+}
+
+/// The block-scale product `s` (times 1/4) of the canonical order: exact in f32 for E5m3;
+/// for E8m0 formed from exponents, clamped to the f32 exponent field [0, 255] (0 → 0.0,
+/// 255 → ∞; the epilogue sends elements that could reach either edge to the exact path).
+#[inline(always)]
+pub(crate) fn scale_product(kind: ScaleKind, wb: u8, sc: u32) -> f32 {
+    match kind {
+        ScaleKind::E5m3 => f32::from_bits((wb as u32) << 20) * f32::from_bits(sc),
+        ScaleKind::E8m0 => f32::from_bits(((wb as i32 + sc as i32).clamp(0, 255) as u32) << 23),
+    }
+}
+
+/// The portable kernel: the canonical order written plainly, with a fused multiply-add as every
+/// SIMD kernel uses (`f32::mul_add` is IEEE fusedMultiplyAdd on every target, so an overflowing
+/// `isum · s` behaves as in `vfmadd`/`vfmaq`). Bit-identical to every SIMD kernel.
+pub(crate) fn group_scalar(g: &Fp4Group<'_>, rows: &Fp4Rows<'_>, out: &mut [[f32; GROUP]; MR]) {
+    let v = g.pairs * 8;
+    for r in 0..rows.count {
+        for c in 0..GROUP {
+            let mut acc = 0f32;
+            for kb in 0..g.kb {
+                let a = &rows.a[r][kb * v..(kb + 1) * v];
+                let mut isum = 0i32;
+                for p in 0..g.pairs {
+                    for j in 0..4 {
+                        let byte = g.w[(kb * g.pairs + p) * 64 + c * 4 + j];
+                        isum += E2M1_DOUBLED[(byte & 0xF) as usize] as i32 * a[p * 8 + j] as i32;
+                        isum += E2M1_DOUBLED[(byte >> 4) as usize] as i32 * a[p * 8 + 4 + j] as i32;
+                    }
+                }
+                acc = (isum as f32).mul_add(scale_product(g.kind, g.ws[kb * GROUP + c], rows.sc[r][kb]), acc);
+            }
+            out[r][c] = acc;
+        }
+    }
+}

@@ -1,0 +1,4 @@
+//! aarch64 NEON kernels (see the parent module for the arithmetic they share).
+
+pub(super) mod fp4;
+pub(super) mod plain;

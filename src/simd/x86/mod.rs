@@ -1,0 +1,4 @@
+//! x86-64 kernels: AVX2 and AVX-512 (see the parent module for the arithmetic they share).
+
+pub(super) mod fp4;
+pub(super) mod plain;
