@@ -6,6 +6,7 @@
 mod common;
 #[path = "../oracle/fp4_setup.rs"]
 mod fp4_setup;
+mod plain;
 
 use common::*;
 use fp4_setup::*;
@@ -40,7 +41,7 @@ fn run<O: Element, C: Element>(s: &Setup, tsf: f32, exec: Option<Exec>, seed: u6
     (out, cache.into_vec())
 }
 
-fn isas() -> Vec<Isa> {
+pub fn isas() -> Vec<Isa> {
     let v = Isa::available();
     eprintln!(
         "ISAs tested: {:?} (not available here: {:?})",
@@ -244,7 +245,7 @@ fn nan_scales_match_the_oracle() {
     }
 }
 
-fn in_pool<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
+pub fn in_pool<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
     rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap().install(f)
 }
 

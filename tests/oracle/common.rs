@@ -4,47 +4,48 @@
 
 use paged_qkv::{CacheShape, Element, PagedKvCache};
 
-/// xorshift64*: deterministic, dependency-free.
-pub struct Rng(u64);
+/// The tests' seeded generator: the crate's one random-number crate (fastrand) with the helpers
+/// the tests use.
+pub struct Rng(fastrand::Rng);
 
 impl Rng {
     pub fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+        Rng(fastrand::Rng::with_seed(seed))
     }
     pub fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        self.0.u64(..)
     }
     pub fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
+        self.0.usize(..n)
     }
     pub fn range(&mut self, lo: usize, hi_inclusive: usize) -> usize {
-        lo + self.below(hi_inclusive - lo + 1)
+        self.0.usize(lo..=hi_inclusive)
     }
     /// Uniform in [-1, 1).
     pub fn f32(&mut self) -> f32 {
-        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        self.0.f32() * 2.0 - 1.0
     }
+    /// Approximately normal (the crate's case generator's helper).
     pub fn normal(&mut self) -> f32 {
-        // Sum of uniforms: bell-shaped enough for weights.
-        (0..4).map(|_| self.f32()).sum::<f32>() * 0.866
+        paged_qkv_normal(&mut self.0)
     }
     pub fn byte(&mut self) -> u8 {
-        self.next_u64() as u8
+        self.0.u8(..)
     }
     pub fn shuffle<T>(&mut self, v: &mut [T]) {
-        for i in (1..v.len()).rev() {
-            let j = self.below(i + 1);
-            v.swap(i, j);
-        }
+        self.0.shuffle(v)
     }
+}
+
+/// Four uniforms summed: bell-shaped enough for weights (as `paged_qkv::case::normal`, which
+/// needs the `case` feature).
+fn paged_qkv_normal(rng: &mut fastrand::Rng) -> f32 {
+    (0..4).map(|_| rng.f32() - 0.5).sum::<f32>() * 1.732
 }
 
 /// A page table that gives every sequence its own pages, drawn from a random permutation of the
 /// blocks, with `cols` columns; unused entries hold the sentinel `num_blocks - 1` (MAX's null block).
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct Pages {
     pub lookup: Vec<u32>,
     pub cols: usize,

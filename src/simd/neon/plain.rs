@@ -15,7 +15,8 @@ const F32: u8 = 2;
 const MRN: usize = 4;
 
 /// Four f16 (the low halves of the lanes) to f32.
-#[inline(always)]
+#[target_feature(enable = "neon")]
+#[inline]
 fn f16x4_to_f32(h: uint32x4_t) -> float32x4_t {
     let sign = vshlq_n_u32::<16>(vandq_u32(h, vdupq_n_u32(0x8000)));
     let mag = vandq_u32(h, vdupq_n_u32(0x7FFF));
@@ -32,7 +33,8 @@ fn f16x4_to_f32(h: uint32x4_t) -> float32x4_t {
 ///
 /// # Safety
 /// `q` points at a whole k-pair of a group of kind `K`.
-#[inline(always)]
+#[target_feature(enable = "neon")]
+#[inline]
 unsafe fn load<const K: u8>(q: *const u32, half: usize) -> [float32x4_t; 4] {
     // SAFETY: the words read lie inside the k-pair (16 words for bf16/f16, 32 for f32).
     unsafe {
