@@ -245,6 +245,9 @@ enum Cmd {
         /// Weight formats to run (repeatable; default nvfp4 and mxfp4).
         #[arg(long, value_enum)]
         dtype: Vec<DtypeArg>,
+        /// Force an instruction set (scalar, avx2, avx512, avx512bf16, neon) instead of the best.
+        #[arg(long, value_parser = parse_isa)]
+        isa: Option<Isa>,
     },
 }
 
@@ -255,6 +258,13 @@ impl<E: std::fmt::Display> From<E> for Bad {
     fn from(e: E) -> Self {
         Bad(e.to_string())
     }
+}
+
+fn parse_isa(s: &str) -> Result<Isa, String> {
+    let isa = Isa::from_name(s).ok_or_else(|| {
+        format!("expected one of {}", Isa::ALL.iter().map(|i| i.name()).collect::<Vec<_>>().join(", "))
+    })?;
+    if isa.is_available() { Ok(isa) } else { Err(format!("{s} is not available on this CPU")) }
 }
 
 fn read(path: &PathBuf) -> Result<Vec<u8>, Bad> {
@@ -283,7 +293,7 @@ fn main() -> ExitCode {
             make_case(op.into(), model.shape(), batch, seed, format.into(), f8_dtypes, &out).map(|_| 0)
         }
         Cmd::Demo { threads } => pool(threads).and_then(|p| p.install(demo)).map(|_| 0),
-        Cmd::Bench { model, threads, dtype } => bench(model.shape(), threads, &dtype).map(|_| 0),
+        Cmd::Bench { model, threads, dtype, isa } => bench(model.shape(), threads, &dtype, isa).map(|_| 0),
     };
     match res {
         Ok(code) => ExitCode::from(code),
@@ -671,8 +681,9 @@ fn read_bytes(bytes: &[u8]) {
     std::hint::black_box(x);
 }
 
-fn bench(m: case::ModelShape, threads: Option<usize>, dtypes: &[DtypeArg]) -> Result<(), Bad> {
+fn bench(m: case::ModelShape, threads: Option<usize>, dtypes: &[DtypeArg], isa: Option<Isa>) -> Result<(), Bad> {
     let p = pool(threads)?;
+    let exec = Exec { isa, ..Exec::default() };
     let (k, q_dim, n) = (m.hidden, m.q_heads * m.head, (m.q_heads + 2 * m.kv_heads) * m.head);
     let mut rnd = uniform(1);
     let w: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
@@ -680,7 +691,7 @@ fn bench(m: case::ModelShape, threads: Option<usize>, dtypes: &[DtypeArg]) -> Re
         "paged-qkv bench: {} (K {k}, N {n}), {} threads, ISA {}",
         m.name,
         p.current_num_threads(),
-        Isa::best().name()
+        isa.unwrap_or_else(Isa::best).name()
     );
     let dtypes = if dtypes.is_empty() { &[DtypeArg::Nvfp4, DtypeArg::Mxfp4][..] } else { dtypes };
     let ms = [1usize, 8, 64, 512];
@@ -706,14 +717,14 @@ fn bench(m: case::ModelShape, threads: Option<usize>, dtypes: &[DtypeArg]) -> Re
                     Box::new(move || {
                         let offs = [0, mm as u32];
                         let args = QkvFp4PackedArgs::new(a.as_ref(), &offs, &packed, q_dim);
-                        c.call(|out, kv| fast::qkv_fp4_ragged_packed(&args, out, kv, Exec::default()));
+                        c.call(|out, kv| fast::qkv_fp4_ragged_packed(&args, out, kv, exec));
                     })
                 };
                 (format.name(), bytes, Box::new(run))
             }
-            DtypeArg::Bf16 => plain_runner::<bf16>("bf16", &w, m)?,
-            DtypeArg::F16 => plain_runner::<f16>("f16", &w, m)?,
-            DtypeArg::F32 => plain_runner::<f32>("f32", &w, m)?,
+            DtypeArg::Bf16 => plain_runner::<bf16>("bf16", &w, m, exec)?,
+            DtypeArg::F16 => plain_runner::<f16>("f16", &w, m, exec)?,
+            DtypeArg::F32 => plain_runner::<f32>("f32", &w, m, exec)?,
         };
         let junk = vec![1u8; bytes];
         let read = p.install(|| time(&mut || read_bytes(&junk)));
@@ -752,6 +763,7 @@ fn plain_runner<T: Element>(
     name: &'static str,
     w: &[f32],
     m: case::ModelShape,
+    exec: Exec,
 ) -> Result<(&'static str, usize, Runner), Bad> {
     let (k, q_dim) = (m.hidden, m.q_heads * m.head);
     let wt: Vec<T> = w.iter().map(|&x| T::from_f32(x)).collect();
@@ -766,7 +778,7 @@ fn plain_runner<T: Element>(
             let offs = [0, mm as u32];
             let args =
                 QkvRaggedPackedArgs { hidden_state: &x, input_row_offsets: &offs, weight: &packed, bias: None, q_dim };
-            c.call(|out, kv| fast::qkv_ragged_packed(&args, out, kv, Exec::default()));
+            c.call(|out, kv| fast::qkv_ragged_packed(&args, out, kv, exec));
         })
     };
     Ok((name, bytes, Box::new(run)))

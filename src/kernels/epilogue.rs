@@ -18,8 +18,10 @@ use crate::simd::GROUP;
 
 /// A destination of finished accumulators.
 pub(crate) trait Dest: Sync {
-    /// Whether `row` has anything to compute in the panel starting at column `c0`.
-    fn needs(&self, row: usize, c0: usize) -> bool;
+    /// The rows that write K/V, when not all rows do (padded BSHD rows write Q only).
+    fn kv_rows(&self) -> Option<&[usize]>;
+    /// Whether the panel starting at column `c0` computes only the [`kv_rows`](Self::kv_rows).
+    fn kv_panel(&self, c0: usize) -> bool;
     /// Whether a panel may start at column `c` (a multiple of 16).
     fn may_cut(&self, c: usize) -> bool;
     /// Finishes columns `c0 .. c0 + accs.len()` (clipped to `cols()`) of `row`: value, rounding,
@@ -54,8 +56,11 @@ impl<'a, O: Element> MatrixDest<'a, O> {
 }
 
 impl<O: Element> Dest for MatrixDest<'_, O> {
-    fn needs(&self, _row: usize, _c0: usize) -> bool {
-        true
+    fn kv_rows(&self) -> Option<&[usize]> {
+        None
+    }
+    fn kv_panel(&self, _c0: usize) -> bool {
+        false
     }
     fn may_cut(&self, _c: usize) -> bool {
         true
@@ -80,6 +85,8 @@ pub(crate) struct QkvDest<'a, O, C> {
     col_off: Vec<usize>,
     /// Per row: the flat index of its slot base, or None (no K/V write).
     slot_base: Vec<Option<usize>>,
+    /// The rows with a slot, when not all rows have one.
+    kv_rows: Option<Vec<usize>>,
 }
 
 impl<'a, O: Element, C: Element> QkvDest<'a, O, C> {
@@ -93,14 +100,22 @@ impl<'a, O: Element, C: Element> QkvDest<'a, O, C> {
         n: usize,
     ) -> Self {
         let col_off = (0..n - q_dim).map(|j| shape.kv_column_offset(j)).collect();
-        let slot_base = plan.rows.iter().map(|s| s.map(|s| shape.slot_base(s.block, layer, s.offset))).collect();
-        QkvDest { out: SharedMut::new(output), cache: SharedMut::new(cache), q_dim, n, col_off, slot_base }
+        let slot_base: Vec<Option<usize>> =
+            plan.rows.iter().map(|s| s.map(|s| shape.slot_base(s.block, layer, s.offset))).collect();
+        let kv_rows = slot_base
+            .iter()
+            .any(Option::is_none)
+            .then(|| slot_base.iter().enumerate().filter_map(|(r, s)| s.map(|_| r)).collect());
+        QkvDest { out: SharedMut::new(output), cache: SharedMut::new(cache), q_dim, n, col_off, slot_base, kv_rows }
     }
 }
 
 impl<O: Element, C: Element> Dest for QkvDest<'_, O, C> {
-    fn needs(&self, row: usize, c0: usize) -> bool {
-        c0 < self.q_dim || self.slot_base[row].is_some()
+    fn kv_rows(&self) -> Option<&[usize]> {
+        self.kv_rows.as_deref()
+    }
+    fn kv_panel(&self, c0: usize) -> bool {
+        c0 >= self.q_dim && self.kv_rows.is_some()
     }
     fn may_cut(&self, c: usize) -> bool {
         c.is_multiple_of(GROUP)

@@ -22,16 +22,28 @@ use crate::formats::fp4::E2M1_DOUBLED;
 use crate::formats::fp8::{e4m3_to_f32, e4m3_to_units};
 use crate::reference::exact::{ExactSum, f32_parts};
 use crate::simd::fp4::{E8M0_ACT_BIAS, ScaleKind, scale_product};
-use crate::simd::plain::PlainRows;
+use crate::simd::plain::PackedRows;
 use crate::simd::{GROUP, IsaToken, MR};
+
+/// One task's rows and columns.
+pub(crate) struct Tile<'a> {
+    /// The rows (indices into the call's rows).
+    pub rows: &'a [usize],
+    /// They are entries `i0 ..` of a row set: all rows, or the K/V rows when `kv` (a family that
+    /// packs its rows per set finds them there).
+    pub kv: bool,
+    pub i0: usize,
+    /// Panel columns `c0 .. c1` (multiples of 16).
+    pub c0: usize,
+    pub c1: usize,
+}
 
 /// A kernel family's packed operands.
 pub(crate) trait Operands: Sync {
     /// Rows per task tile.
     const MC: usize;
-    /// Accumulators of the listed rows × panel columns `c0 .. c1` (multiples of 16) into
-    /// `buf[i · (c1 − c0) + (c − c0)]`.
-    fn tile(&self, token: IsaToken, rows: &[usize], c0: usize, c1: usize, buf: &mut [f32]);
+    /// Accumulators of the tile's rows × columns into `buf[i · (c1 − c0) + (c − c0)]`.
+    fn tile(&self, token: IsaToken, t: &Tile<'_>, buf: &mut [f32]);
     /// The value to round for `(row, col)` from its accumulator, or `None` when the exact path
     /// must decide it.
     fn value(&self, row: usize, col: usize, acc: f32) -> Option<f32>;
@@ -94,7 +106,8 @@ fn exact_scale(format: BlockFormat, byte: u8) -> Option<(i128, i32)> {
 impl Operands for Fp4Operands<'_> {
     const MC: usize = 64;
 
-    fn tile(&self, token: IsaToken, rows: &[usize], c0: usize, c1: usize, buf: &mut [f32]) {
+    fn tile(&self, token: IsaToken, t: &Tile<'_>, buf: &mut [f32]) {
+        let (rows, c0, c1) = (t.rows, t.c0, t.c1);
         let width = c1 - c0;
         let mut tile = [[0f32; GROUP]; MR];
         for g in c0 / GROUP..c1 / GROUP {
@@ -176,30 +189,30 @@ pub(crate) struct PlainOperands<'a, T> {
 
 /// Row tile of the bf16/f16/f32 kernels: a multiple of every micro-kernel's row count (12, 6, 4).
 const PLAIN_MC: usize = 96;
+/// k-pairs per k-block (512 values of K; measured best of 64, 128, 256, 384, 512 and 2048 pairs on the
+/// Llama-3-8B shape at M = 512, README).
+const KC_PAIRS: usize = 256;
 
 impl<T: Element> Operands for PlainOperands<'_, T> {
     const MC: usize = PLAIN_MC;
 
-    fn tile(&self, token: IsaToken, rows: &[usize], c0: usize, c1: usize, buf: &mut [f32]) {
-        const EMPTY_F: &[f32] = &[];
-        const EMPTY_P: &[u32] = &[];
-        let panel = self.w.panel(c0 / GROUP, c1 / GROUP);
+    fn tile(&self, token: IsaToken, t: &Tile<'_>, buf: &mut [f32]) {
+        let (rows, kv, i0, c0, c1) = (t.rows, t.kv, t.i0, t.c0, t.c1);
+        let (g0, g1) = (c0 / GROUP, c1 / GROUP);
         let width = c1 - c0;
-        for (ci, chunk) in rows.chunks(PLAIN_MC).enumerate() {
-            let out = &mut buf[ci * PLAIN_MC * width..(ci * PLAIN_MC + chunk.len()) * width];
-            if self.a.is_pairs() {
-                let mut r = [EMPTY_P; PLAIN_MC];
-                for (d, &i) in r.iter_mut().zip(chunk) {
-                    *d = self.a.pair_row(i);
-                }
-                crate::simd::plain_panel(token, &panel, &PlainRows::Bf16Pairs(&r[..chunk.len()]), out, width);
-            } else {
-                let mut r = [EMPTY_F; PLAIN_MC];
-                for (d, &i) in r.iter_mut().zip(chunk) {
-                    *d = self.a.f32_row(i);
-                }
-                crate::simd::plain_panel(token, &panel, &PlainRows::F32(&r[..chunk.len()]), out, width);
-            }
+        let out = &mut buf[..rows.len() * width];
+        let set = self.a.rows(kv);
+        debug_assert_eq!(i0 % set.mr, 0);
+        let skip = (i0 / set.mr) * set.block_len();
+        let a = PackedRows { f: set.f.get(skip..).unwrap_or(&[]), p: set.p.get(skip..).unwrap_or(&[]), ..set };
+        // k-blocks of KC pairs: the block of W (32 KiB for two bf16 groups) stays in L1/L2 and the
+        // rows' block in L2 while every micro-tile of the task uses them; the accumulators
+        // continue through `out`, so the chain (the canonical order) is the same.
+        let pairs = self.w.pairs;
+        for (bi, p0) in (0..pairs).step_by(KC_PAIRS).enumerate() {
+            let p1 = (p0 + KC_PAIRS).min(pairs);
+            let panel = self.w.panel(g0, g1, p0, p1);
+            crate::simd::plain_panel(token, &panel, &a, p0, rows.len(), out, width, bi > 0);
         }
     }
 

@@ -23,7 +23,7 @@ use crate::formats::fp8::{e4m3_scale_to_f32, e4m3_to_f32};
 use crate::formats::{BlockFormat, QuantizedRef};
 use crate::ops::weight_rows;
 use crate::simd::fp4::{E5M3_ACT_EXP, E8M0_ACT_BIAS, Fp4Group, Fp4Rows, ScaleKind};
-use crate::simd::plain::{PlainKind, PlainPanel, PlainRows};
+use crate::simd::plain::{PackedRows, PlainKind, PlainPanel};
 use crate::simd::{GROUP, IsaToken, MR};
 use rayon::prelude::*;
 use std::marker::PhantomData;
@@ -357,10 +357,17 @@ impl<T: Element> PackedPlainWeights<T> {
         4 * self.data.len()
     }
 
-    /// Groups `g0 .. g1`.
-    pub(crate) fn panel(&self, g0: usize, g1: usize) -> PlainPanel<'_> {
-        let glen = self.pairs * self.kind.words_per_pair();
-        PlainPanel { data: &self.data[g0 * glen..g1 * glen], groups: g1 - g0, pairs: self.pairs, kind: self.kind }
+    /// Groups `g0 .. g1`, k-pairs `p0 .. p1`.
+    pub(crate) fn panel(&self, g0: usize, g1: usize, p0: usize, p1: usize) -> PlainPanel<'_> {
+        let wpp = self.kind.words_per_pair();
+        let glen = self.pairs * wpp;
+        PlainPanel {
+            data: &self.data[g0 * glen + p0 * wpp..(g1 - 1) * glen + p1 * wpp],
+            groups: g1 - g0,
+            pairs: p1 - p0,
+            stride: glen,
+            kind: self.kind,
+        }
     }
 
     /// Weight element (k, col), widened to f32.
@@ -371,59 +378,75 @@ impl<T: Element> PackedPlainWeights<T> {
     }
 }
 
-/// bf16/f16/f32 activations prepared once per call, in the form the ISA's kernel reads.
+/// bf16/f16/f32 activations packed once per call in the layout of the token's micro-kernel
+/// ([`PackedRows`]): all rows in order, and (when some rows write no K/V, as padded BSHD rows) the
+/// K/V rows alone, so the K/V panels skip the padded rows without copying per task.
 pub(crate) struct PlainActs {
-    /// f32 rows `[m][2·pairs]` (the FMA kernels).
-    f: Vec<f32>,
-    /// bf16 pairs `[m][pairs]` (the `vdpbf16ps` kernel).
-    p: Vec<u32>,
-    pub pairs: usize,
+    pairs: usize,
+    mr: usize,
     bf16_pairs: bool,
+    all: (Vec<f32>, Vec<u32>),
+    kv: Option<(Vec<f32>, Vec<u32>)>,
 }
 
 impl PlainActs {
-    pub fn prepare<T: Element>(x: &[T], m: usize, k: usize, token: IsaToken, kind: PlainKind) -> Self {
+    pub fn prepare<T: Element>(
+        x: &[T],
+        m: usize,
+        k: usize,
+        token: IsaToken,
+        kind: PlainKind,
+        kv_rows: Option<&[usize]>,
+    ) -> Self {
         let pairs = k.div_ceil(2);
-        if crate::simd::plain_wants_bf16_pairs(token, kind) {
-            let mut p = vec![0u32; m * pairs];
-            for r in 0..m {
-                for kk in 0..k {
-                    p[r * pairs + kk / 2] |= x[r * k + kk].to_bits() << (16 * (kk % 2));
-                }
+        let (mr, bf16_pairs) = crate::simd::plain_layout(token, kind);
+        let pack = |rows: &mut dyn Iterator<Item = usize>, n: usize| -> (Vec<f32>, Vec<u32>) {
+            let len = n.div_ceil(mr) * pairs * if bf16_pairs { mr } else { 2 * mr };
+            let (mut f, mut p) = (Vec::new(), Vec::new());
+            if bf16_pairs {
+                p = vec![0u32; len];
+            } else {
+                f = vec![0f32; len];
             }
-            PlainActs { f: Vec::new(), p, pairs, bf16_pairs: true }
-        } else {
-            let kp = 2 * pairs;
-            let mut f = vec![0f32; m * kp];
-            for r in 0..m {
-                for kk in 0..k {
-                    f[r * kp + kk] = x[r * k + kk].to_f32();
+            let mut put = |i: usize, r: usize| {
+                let (b, rr) = (i / mr, i % mr);
+                let row = &x[r * k..(r + 1) * k];
+                for (kk, v) in row.iter().enumerate() {
+                    let o = PackedRows::offset(pairs, mr, bf16_pairs, b, rr, kk);
+                    if bf16_pairs {
+                        p[o] |= v.to_bits() << (16 * (kk % 2));
+                    } else {
+                        f[o] = v.to_f32();
+                    }
                 }
+            };
+            let mut last = 0;
+            for (i, r) in rows.enumerate() {
+                put(i, r);
+                last = r;
             }
-            PlainActs { f, p: Vec::new(), pairs, bf16_pairs: false }
-        }
+            // A short last block repeats its last row (its results are never stored).
+            for i in n..n.div_ceil(mr) * mr {
+                put(i, last);
+            }
+            (f, p)
+        };
+        let all = pack(&mut (0..m), m);
+        let kv = kv_rows.map(|rows| pack(&mut rows.iter().copied(), rows.len()));
+        PlainActs { pairs, mr, bf16_pairs, all, kv }
     }
 
-    /// Whether rows are bf16 pairs.
-    pub fn is_pairs(&self) -> bool {
-        self.bf16_pairs
-    }
-
-    pub fn f32_row(&self, r: usize) -> &[f32] {
-        let kp = 2 * self.pairs;
-        &self.f[r * kp..(r + 1) * kp]
-    }
-
-    pub fn pair_row(&self, r: usize) -> &[u32] {
-        &self.p[r * self.pairs..(r + 1) * self.pairs]
+    /// The packed rows of a set (`kv`: the K/V rows; else all rows).
+    pub fn rows(&self, kv: bool) -> PackedRows<'_> {
+        let (f, p) = match (&self.kv, kv) {
+            (Some(set), true) => set,
+            _ => &self.all,
+        };
+        PackedRows { f, p, pairs: self.pairs, mr: self.mr, bf16_pairs: self.bf16_pairs }
     }
 
     /// Element k of row r, widened to f32 (exact).
     pub fn get(&self, r: usize, k: usize) -> f32 {
-        if !self.bf16_pairs {
-            self.f[r * 2 * self.pairs + k]
-        } else {
-            PlainRows::Bf16Pairs(&[self.pair_row(r)]).get(0, k)
-        }
+        self.rows(false).get(r, k)
     }
 }

@@ -5,7 +5,7 @@
 //! tiling or the other rows of the batch.
 
 use super::epilogue::Dest;
-use super::operands::Operands;
+use super::operands::{Operands, Tile};
 use crate::simd::{GROUP, IsaToken};
 use rayon::prelude::*;
 use std::cell::RefCell;
@@ -56,33 +56,41 @@ thread_local! {
 }
 
 /// Runs all tasks of a call: `m` rows of `src` into `dest`, on the current rayon pool when
-/// `parallel`. Row tiles of `S::MC` rows (decode and small prefill stream each weight panel once).
+/// `parallel`. Row tiles of `S::MC` rows (decode and small prefill stream each weight panel once);
+/// panels that compute only the destination's K/V rows tile those rows instead.
 pub(crate) fn run<S: Operands, D: Dest>(src: &S, dest: &D, m: usize, token: IsaToken, parallel: bool, panels: &Panels) {
     debug_assert!(S::MC <= MAX_MC);
     let mc = S::MC;
     let row_tiles = m.div_ceil(mc);
     let np = panels.count();
+    let kv_rows = dest.kv_rows();
     let task = |t: usize| {
         let (rt, pc) = (t / np, t % np);
         let (c0, c1) = panels.get(pc);
         let width = c1 - c0;
-        let mut rows = [0usize; MAX_MC];
-        let mut count = 0;
-        for r in rt * mc..((rt + 1) * mc).min(m) {
-            if dest.needs(r, c0) {
-                rows[count] = r;
-                count += 1;
-            }
-        }
-        if count == 0 {
+        let kv = dest.kv_panel(c0);
+        let n_set = match (kv, kv_rows) {
+            (true, Some(rows)) => rows.len(),
+            _ => m,
+        };
+        let i0 = rt * mc;
+        if i0 >= n_set {
             return;
+        }
+        let count = (i0 + mc).min(n_set) - i0;
+        let mut rows = [0usize; MAX_MC];
+        for (i, r) in rows.iter_mut().enumerate().take(count) {
+            *r = match (kv, kv_rows) {
+                (true, Some(list)) => list[i0 + i],
+                _ => i0 + i,
+            };
         }
         let rows = &rows[..count];
         TILE.with_borrow_mut(|buf| {
             if buf.len() < count * width {
                 buf.resize(count * width, 0.0);
             }
-            src.tile(token, rows, c0, c1, buf);
+            src.tile(token, &Tile { rows, kv, i0, c0, c1 }, buf);
             for (i, &r) in rows.iter().enumerate() {
                 // SAFETY: this task alone finishes (r, c0..c1): tasks own disjoint (row tile ×
                 // panel) ranges, and the destination was built from a validated slot plan, which

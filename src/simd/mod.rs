@@ -41,7 +41,7 @@ mod x86;
 
 use crate::error::{Error, Result};
 use fp4::{Fp4Group, Fp4Rows, group_scalar};
-use plain::{PlainKind, PlainPanel, PlainRows, panel_scalar};
+use plain::{PackedRows, PlainKind, PlainPanel, panel_scalar};
 use std::sync::OnceLock;
 
 /// Most activation rows one FP4 kernel call handles.
@@ -120,11 +120,35 @@ impl Isa {
         Isa::ALL.into_iter().filter(|i| i.is_available()).collect()
     }
 
-    /// The best available ISA, detected once per process.
+    /// The fastest available ISA, detected once per process: the last available level, except
+    /// that [`Isa::Avx512Bf16`] is chosen only where `vdpbf16ps` outruns zmm f32 FMA (AMD Zen 4
+    /// and later: about 2×). On Intel Sapphire/Emerald Rapids it runs at half the FMA rate
+    /// (measured: 85 vs 172 GFLOP/s per core, README), so [`Isa::Avx512`] is the best there and
+    /// [`Isa::Avx512Bf16`] stays available to force.
     pub fn best() -> Isa {
         static BEST: OnceLock<Isa> = OnceLock::new();
-        *BEST.get_or_init(|| Isa::ALL.into_iter().rev().find(|i| i.is_available()).unwrap_or(Isa::Scalar))
+        *BEST.get_or_init(|| {
+            Isa::ALL
+                .into_iter()
+                .rev()
+                .find(|&i| i.is_available() && (i != Isa::Avx512Bf16 || bf16_dot_beats_fma()))
+                .unwrap_or(Isa::Scalar)
+        })
     }
+}
+
+/// Whether this CPU's `vdpbf16ps` is faster than its zmm f32 FMA (AMD: yes; Intel: no).
+fn bf16_dot_beats_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: CPUID leaf 0 exists on every x86-64 CPU; it only reads identification registers.
+        #[allow(unused_unsafe)] // `__cpuid` is safe in newer Rust, unsafe in 1.89 (the MSRV)
+        let v = unsafe { std::arch::x86_64::__cpuid(0) };
+        // "AuthenticAMD": ebx "Auth", edx "enti", ecx "cAMD".
+        v.ebx == u32::from_le_bytes(*b"Auth") && v.edx == u32::from_le_bytes(*b"enti")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// Proof that an ISA is available on this CPU: only [`IsaToken::new`] makes one.
@@ -183,34 +207,56 @@ pub(crate) fn fp4_group(token: IsaToken, g: &Fp4Group<'_>, rows: &Fp4Rows<'_>, o
     }
 }
 
-/// Whether the plain kernel of `token` for weights of `kind` takes its activation rows as bf16
-/// pairs ([`PlainRows::Bf16Pairs`]) rather than f32.
-pub(crate) fn plain_wants_bf16_pairs(token: IsaToken, kind: PlainKind) -> bool {
-    token.0 == Isa::Avx512Bf16 && kind == PlainKind::Bf16
+/// Rows per micro-tile of the plain kernel of `token` for weights of `kind`, and whether it takes
+/// its activations as bf16 pairs (`vdpbf16ps`) rather than f32 (see [`PackedRows`]).
+pub(crate) fn plain_layout(token: IsaToken, kind: PlainKind) -> (usize, bool) {
+    match token.0 {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Bf16 => (x86::plain::MR512, kind == PlainKind::Bf16),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => (x86::plain::MR512, false),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => (x86::plain::MR256, false),
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => (neon::plain::MRN, false),
+        _ => (1, false),
+    }
 }
 
-/// Multiplies every activation row of `rows` with every column of the panel `w`:
-/// `out[i·ld + c]` for row `i` and panel column `c`, in the canonical order of [`plain`].
-/// `rows` must be in the form [`plain_wants_bf16_pairs`] asks for.
-pub(crate) fn plain_panel(token: IsaToken, w: &PlainPanel<'_>, rows: &PlainRows<'_>, out: &mut [f32], ld: usize) {
-    w.check(rows, out.len(), ld);
-    if rows.len() == 0 {
+/// Multiplies `n` packed activation rows (pairs `p0 ..` of them) with every column of the panel
+/// block `w` (pairs `p0 .. p0 + w.pairs`): `out[i·ld + c]` for row `i` and panel column `c`, in the
+/// canonical order of [`plain`], continuing the chains from the values in `out` when `acc_in`.
+/// `a` must be packed in the layout [`plain_layout`] gives for `token`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn plain_panel(
+    token: IsaToken,
+    w: &PlainPanel<'_>,
+    a: &PackedRows<'_>,
+    p0: usize,
+    n: usize,
+    out: &mut [f32],
+    ld: usize,
+    acc_in: bool,
+) {
+    w.check(a, p0, n, out.len(), ld);
+    assert_eq!((a.mr, a.bf16_pairs), plain_layout(token, w.kind), "activations packed for another kernel");
+    if n == 0 {
         return;
     }
-    match (token.0, rows) {
+    match token.0 {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the token proves AVX-512 BF16 (and F) were detected; `check` proved the lengths
-        // the kernel's unchecked loads and stores rely on, and that the weight kind is bf16.
-        (Isa::Avx512Bf16, PlainRows::Bf16Pairs(r)) => unsafe { x86::plain::panel_avx512bf16(w, r, out, ld) },
+        // of the weight block, the packed rows (bf16 pairs of a bf16 weight) and `out`.
+        Isa::Avx512Bf16 if a.bf16_pairs => unsafe { x86::plain::panel_avx512bf16(w, a, p0, n, out, ld, acc_in) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the token proves AVX-512 F was detected; lengths as above.
-        (Isa::Avx512 | Isa::Avx512Bf16, PlainRows::F32(r)) => unsafe { x86::plain::panel_avx512(w, r, out, ld) },
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::plain::panel_avx512(w, a, p0, n, out, ld, acc_in) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the token proves AVX2, FMA and F16C were detected; lengths as above.
-        (Isa::Avx2, PlainRows::F32(r)) => unsafe { x86::plain::panel_avx2(w, r, out, ld) },
+        Isa::Avx2 => unsafe { x86::plain::panel_avx2(w, a, p0, n, out, ld, acc_in) },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: the token proves NEON was detected; lengths as above.
-        (Isa::Neon, PlainRows::F32(r)) => unsafe { neon::plain::panel_neon(w, r, out, ld) },
-        _ => panel_scalar(w, rows, out, ld),
+        Isa::Neon => unsafe { neon::plain::panel_neon(w, a, p0, n, out, ld, acc_in) },
+        _ => panel_scalar(w, a, p0, n, out, ld, acc_in),
     }
 }

@@ -82,83 +82,113 @@ impl PlainKind {
     }
 }
 
-/// Consecutive 16-column groups of a packed weight (one column panel), each `pairs · words_per_pair`
-/// words.
+/// A block of a packed weight: `groups` consecutive 16-column groups (one column panel), `pairs`
+/// consecutive k-pairs of each (one k-block). Group `g` starts at word `g · stride` of `data`.
 #[derive(Clone, Copy)]
 pub(crate) struct PlainPanel<'a> {
     pub data: &'a [u32],
     pub groups: usize,
     pub pairs: usize,
+    pub stride: usize,
     pub kind: PlainKind,
 }
 
 impl<'a> PlainPanel<'a> {
+    /// Words of one group's k-block.
     pub fn group_len(&self) -> usize {
         self.pairs * self.kind.words_per_pair()
     }
     pub fn group(&self, g: usize) -> &'a [u32] {
-        let l = self.group_len();
-        &self.data[g * l..(g + 1) * l]
+        &self.data[g * self.stride..g * self.stride + self.group_len()]
     }
 }
 
-/// The activation rows a panel is multiplied with, each `2 · pairs` long (zero padded).
+/// Activations packed for a micro-kernel of `mr` rows (the layout [`super::plain_layout`] gives a
+/// token): row block `b` holds rows `b·mr ..` (a short last block repeats its last row). In f32
+/// form, pair `p` of a block holds the `mr` elements `2p+1` of its rows, then the `mr` elements
+/// `2p`; in bf16-pair form, the `mr` pairs of its rows. One pointer then walks a micro-tile's
+/// activations.
 #[derive(Clone, Copy)]
-pub(crate) enum PlainRows<'a> {
-    /// f32 rows (the FMA kernels).
-    F32(&'a [&'a [f32]]),
-    /// bf16 rows as pairs in u32 words, element `2p` in the low half (the `vdpbf16ps` kernel).
-    Bf16Pairs(&'a [&'a [u32]]),
+pub(crate) struct PackedRows<'a> {
+    /// f32 form (empty in pair form).
+    pub f: &'a [f32],
+    /// bf16-pair form (empty in f32 form).
+    pub p: &'a [u32],
+    /// k-pairs of a whole row (a block's length is `pairs · per_pair`).
+    pub pairs: usize,
+    pub mr: usize,
+    pub bf16_pairs: bool,
 }
 
-impl PlainRows<'_> {
-    pub fn len(&self) -> usize {
-        match self {
-            PlainRows::F32(r) => r.len(),
-            PlainRows::Bf16Pairs(r) => r.len(),
+impl PackedRows<'_> {
+    /// Values per pair of one block.
+    pub fn per_pair(&self) -> usize {
+        if self.bf16_pairs { self.mr } else { 2 * self.mr }
+    }
+    /// Values per block.
+    pub fn block_len(&self) -> usize {
+        self.pairs * self.per_pair()
+    }
+    /// Offset of element `k` (f32 form) or of pair `k / 2` (pair form) of row `r` of block `b`.
+    #[inline]
+    pub fn offset(pairs: usize, mr: usize, bf16_pairs: bool, b: usize, r: usize, k: usize) -> usize {
+        if bf16_pairs {
+            b * pairs * mr + (k / 2) * mr + r
+        } else {
+            b * pairs * 2 * mr + (k / 2) * 2 * mr + if k % 2 == 1 { 0 } else { mr } + r
         }
     }
-
-    /// Element k of row r, widened to f32.
+    /// Element k of row `i`, widened to f32 (exact).
     #[inline]
-    pub fn get(&self, r: usize, k: usize) -> f32 {
-        match self {
-            PlainRows::F32(rows) => rows[r][k],
-            PlainRows::Bf16Pairs(rows) => {
-                let w = rows[r][k / 2];
-                f32::from_bits(if k % 2 == 1 { w & 0xFFFF_0000 } else { w << 16 })
-            }
+    pub fn get(&self, i: usize, k: usize) -> f32 {
+        let o = Self::offset(self.pairs, self.mr, self.bf16_pairs, i / self.mr, i % self.mr, k);
+        if self.bf16_pairs {
+            let w = self.p[o];
+            f32::from_bits(if k % 2 == 1 { w & 0xFFFF_0000 } else { w << 16 })
+        } else {
+            self.f[o]
         }
     }
 }
 
 impl PlainPanel<'_> {
-    /// The lengths every kernel's unchecked loads rely on. Panics on violation (a bug, not input).
-    pub fn check(&self, rows: &PlainRows<'_>, out_len: usize, ld: usize) {
-        assert!(self.data.len() >= self.groups * self.group_len());
+    /// The lengths every kernel's unchecked loads rely on, for `n` rows from pair `p0`. Panics on
+    /// violation (a bug, not input).
+    pub fn check(&self, a: &PackedRows<'_>, p0: usize, n: usize, out_len: usize, ld: usize) {
+        assert!(self.groups >= 1 && self.stride >= self.group_len());
+        assert!(self.data.len() >= (self.groups - 1) * self.stride + self.group_len());
         assert!(ld >= self.groups * GROUP);
-        assert!(rows.len() == 0 || out_len >= (rows.len() - 1) * ld + self.groups * GROUP);
-        match rows {
-            PlainRows::F32(r) => assert!(r.iter().all(|x| x.len() >= 2 * self.pairs)),
-            PlainRows::Bf16Pairs(r) => {
-                assert!(self.kind == PlainKind::Bf16 && r.iter().all(|x| x.len() >= self.pairs))
-            }
-        }
+        assert!(n == 0 || out_len >= (n - 1) * ld + self.groups * GROUP);
+        assert!(p0 + self.pairs <= a.pairs && a.mr >= 1);
+        let len = if a.bf16_pairs { a.p.len() } else { a.f.len() };
+        assert!(len >= n.div_ceil(a.mr) * a.block_len());
+        assert!(!a.bf16_pairs || self.kind == PlainKind::Bf16);
     }
 }
 
-/// The portable kernel: `out[i·ld + c]` for every row `i` and panel column `c`, in the canonical
-/// order with `f32::mul_add` (IEEE fusedMultiplyAdd, as `vfmadd`/`vfmaq`).
-pub(crate) fn panel_scalar(w: &PlainPanel<'_>, rows: &PlainRows<'_>, out: &mut [f32], ld: usize) {
+/// The portable kernel: `out[i·ld + c]` for rows `i < n` and every panel column `c`, over pairs
+/// `p0 .. p0 + w.pairs`, in the canonical order with `f32::mul_add` (IEEE fusedMultiplyAdd, as
+/// `vfmadd`/`vfmaq`), continuing from the values in `out` when `acc_in` (a later k-block of the
+/// same chain) or from 0.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn panel_scalar(
+    w: &PlainPanel<'_>,
+    a: &PackedRows<'_>,
+    p0: usize,
+    n: usize,
+    out: &mut [f32],
+    ld: usize,
+    acc_in: bool,
+) {
     for g in 0..w.groups {
         let grp = w.group(g);
-        for i in 0..rows.len() {
+        for i in 0..n {
             for c in 0..GROUP {
-                let mut acc = 0f32;
+                let mut acc = if acc_in { out[i * ld + g * GROUP + c] } else { 0f32 };
                 for p in 0..w.pairs {
                     let (k1, k0) = (2 * p + 1, 2 * p);
-                    acc = rows.get(i, k1).mul_add(w.kind.get(grp, k1, c), acc);
-                    acc = rows.get(i, k0).mul_add(w.kind.get(grp, k0, c), acc);
+                    acc = a.get(i, 2 * p0 + k1).mul_add(w.kind.get(grp, k1, c), acc);
+                    acc = a.get(i, 2 * p0 + k0).mul_add(w.kind.get(grp, k0, c), acc);
                 }
                 out[i * ld + g * GROUP + c] = acc;
             }

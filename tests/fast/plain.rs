@@ -54,7 +54,7 @@ fn value<T: Element>(rng: &mut Rng, v: Values, scale: f32) -> T {
             let e = rng.range(0, 250) as i32 - 140; // 2^-140 (subnormal) .. 2^110
             rng.f32() * 2f32.powi(e.clamp(-149, 127))
         }
-        Values::Tiny => rng.f32() * 2f32.powi(rng.range(55, 135) as i32 * -1),
+        Values::Tiny => rng.f32() * 2f32.powi(-(rng.range(55, 135) as i32)),
         Values::NearF16Max => match rng.below(4) {
             0 => 65504.0 * rng.f32(),
             1 => 6.0e-5 * rng.f32(),

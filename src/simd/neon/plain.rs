@@ -4,7 +4,7 @@
 //! ∞; a NaN stays a NaN), since Rust's `float16x4_t` conversions are not stable.
 
 use crate::simd::GROUP;
-use crate::simd::plain::{PlainKind, PlainPanel};
+use crate::simd::plain::{PackedRows, PlainKind, PlainPanel};
 use std::arch::aarch64::*;
 
 const BF16: u8 = 0;
@@ -12,7 +12,7 @@ const F16: u8 = 1;
 const F32: u8 = 2;
 
 /// Rows per micro-tile.
-const MRN: usize = 4;
+pub(crate) const MRN: usize = 4;
 
 /// Four f16 (the low halves of the lanes) to f32.
 #[target_feature(enable = "neon")]
@@ -63,32 +63,41 @@ unsafe fn load<const K: u8>(q: *const u32, half: usize) -> [float32x4_t; 4] {
 }
 
 /// # Safety
-/// NEON must be available; `w.check(rows, out.len(), ld)` must have passed.
+/// NEON must be available; `w.check(a, p0, n, out.len(), ld)` must have passed with `a` in f32
+/// form, MR 4.
 #[target_feature(enable = "neon")]
-pub(crate) unsafe fn panel_neon(w: &PlainPanel<'_>, rows: &[&[f32]], out: &mut [f32], ld: usize) {
-    let (pairs, glen) = (w.pairs, w.group_len());
+pub(crate) unsafe fn panel_neon(
+    w: &PlainPanel<'_>,
+    a: &PackedRows<'_>,
+    p0: usize,
+    n: usize,
+    out: &mut [f32],
+    ld: usize,
+    acc_in: bool,
+) {
+    let pairs = w.pairs;
     for g in 0..w.groups {
-        let q = w.data.as_ptr().wrapping_add(g * glen);
-        for i in (0..rows.len()).step_by(MRN) {
-            let n = (rows.len() - i).min(MRN);
-            let ptrs: [*const f32; MRN] = std::array::from_fn(|r| rows[i + r.min(n - 1)].as_ptr());
+        let q = w.data.as_ptr().wrapping_add(g * w.stride);
+        for (b, i) in (0..n).step_by(MRN).enumerate() {
+            let rows = (n - i).min(MRN);
+            let ab = a.f.as_ptr().wrapping_add(b * a.block_len() + p0 * 2 * MRN);
             let dst = out.as_mut_ptr().wrapping_add(i * ld + g * GROUP);
-            // SAFETY: `check` proved every group holds `pairs` k-pairs, every row 2·pairs elements
-            // and `out` every (row, column) of the panel at stride `ld`.
+            // SAFETY: `check` proved every group holds `pairs` k-pairs and `out` every (row,
+            // column) of the panel at stride `ld`; ab is a whole packed block.
             unsafe {
-                match (w.kind, n) {
-                    (PlainKind::Bf16, 1) => micro::<1, BF16>(q, pairs, &ptrs, dst, ld),
-                    (PlainKind::Bf16, 2) => micro::<2, BF16>(q, pairs, &ptrs, dst, ld),
-                    (PlainKind::Bf16, 3) => micro::<3, BF16>(q, pairs, &ptrs, dst, ld),
-                    (PlainKind::Bf16, _) => micro::<4, BF16>(q, pairs, &ptrs, dst, ld),
-                    (PlainKind::F16, 1) => micro::<1, F16>(q, pairs, &ptrs, dst, ld),
-                    (PlainKind::F16, 2) => micro::<2, F16>(q, pairs, &ptrs, dst, ld),
-                    (PlainKind::F16, 3) => micro::<3, F16>(q, pairs, &ptrs, dst, ld),
-                    (PlainKind::F16, _) => micro::<4, F16>(q, pairs, &ptrs, dst, ld),
-                    (PlainKind::F32, 1) => micro::<1, F32>(q, pairs, &ptrs, dst, ld),
-                    (PlainKind::F32, 2) => micro::<2, F32>(q, pairs, &ptrs, dst, ld),
-                    (PlainKind::F32, 3) => micro::<3, F32>(q, pairs, &ptrs, dst, ld),
-                    (PlainKind::F32, _) => micro::<4, F32>(q, pairs, &ptrs, dst, ld),
+                match (w.kind, rows) {
+                    (PlainKind::Bf16, 1) => micro::<1, BF16>(q, pairs, ab, dst, ld, acc_in),
+                    (PlainKind::Bf16, 2) => micro::<2, BF16>(q, pairs, ab, dst, ld, acc_in),
+                    (PlainKind::Bf16, 3) => micro::<3, BF16>(q, pairs, ab, dst, ld, acc_in),
+                    (PlainKind::Bf16, _) => micro::<4, BF16>(q, pairs, ab, dst, ld, acc_in),
+                    (PlainKind::F16, 1) => micro::<1, F16>(q, pairs, ab, dst, ld, acc_in),
+                    (PlainKind::F16, 2) => micro::<2, F16>(q, pairs, ab, dst, ld, acc_in),
+                    (PlainKind::F16, 3) => micro::<3, F16>(q, pairs, ab, dst, ld, acc_in),
+                    (PlainKind::F16, _) => micro::<4, F16>(q, pairs, ab, dst, ld, acc_in),
+                    (PlainKind::F32, 1) => micro::<1, F32>(q, pairs, ab, dst, ld, acc_in),
+                    (PlainKind::F32, 2) => micro::<2, F32>(q, pairs, ab, dst, ld, acc_in),
+                    (PlainKind::F32, 3) => micro::<3, F32>(q, pairs, ab, dst, ld, acc_in),
+                    (PlainKind::F32, _) => micro::<4, F32>(q, pairs, ab, dst, ld, acc_in),
                 }
             }
         }
@@ -96,26 +105,36 @@ pub(crate) unsafe fn panel_neon(w: &PlainPanel<'_>, rows: &[&[f32]], out: &mut [
 }
 
 /// # Safety
-/// NEON; `g` holds `pairs` k-pairs of kind `K`, each `a[r]` `2·pairs` elements, `dst` R rows of
-/// 16 f32 at stride `ld`.
+/// NEON; `g` holds `pairs` k-pairs of kind `K`, `a` a packed block of `pairs · 8` f32, `dst` R rows
+/// of 16 f32 at stride `ld` (read first when `acc_in`).
 #[target_feature(enable = "neon")]
 unsafe fn micro<const R: usize, const K: u8>(
     g: *const u32,
     pairs: usize,
-    a: &[*const f32; MRN],
+    a: *const f32,
     dst: *mut f32,
     ld: usize,
+    acc_in: bool,
 ) {
     let mut acc = [[vdupq_n_f32(0.0); 4]; R];
+    if acc_in {
+        for r in 0..R {
+            for j in 0..4 {
+                // SAFETY: dst row r holds 16 f32 by the contract (read first when `acc_in`).
+                acc[r][j] = unsafe { vld1q_f32(dst.add(r * ld + 4 * j)) };
+            }
+        }
+    }
     let wpp = if K == F32 { 2 * GROUP } else { GROUP };
     for p in 0..pairs {
         let q = g.wrapping_add(p * wpp);
+        let ap = a.wrapping_add(p * 2 * MRN);
         for half in 0..2 {
-            // SAFETY: q points at pair p of the group; a[r] + 2p + 1 < 2·pairs (the contract).
+            // SAFETY: q points at pair p of the group, ap at pair p of the packed block.
             unsafe {
                 let wv = load::<K>(q, half);
                 for r in 0..R {
-                    let x = vdupq_n_f32(*a[r].add(2 * p + 1 - half));
+                    let x = vdupq_n_f32(*ap.add(half * MRN + r));
                     for j in 0..4 {
                         acc[r][j] = vfmaq_f32(acc[r][j], x, wv[j]);
                     }
