@@ -47,7 +47,7 @@ mod sealed {
     impl Sealed for crate::formats::fp8::E4M3 {}
 }
 
-/// A scalar the operations read or write: `f32`, [`bf16`], [`f16`] or [`E4M3`]. Conversions round
+/// A scalar the operations read or write: `f32`, [`bf16`], [`f16`](struct@half::f16) or [`E4M3`]. Conversions round
 /// to nearest, ties to even, once; casts into FP8 saturate to ±448.
 ///
 /// The trait is sealed: the operations promise one rounding per value, which depends on these

@@ -6,7 +6,7 @@
 //! kernels of the same names bit for bit in layout (FP4 nibble order, NVIDIA's 5-D block-scale
 //! layout, the paged cache `[num_blocks, kv_dim, num_layers, page_size, num_kv_heads, head_size]`),
 //! and validate everything MAX leaves unchecked. What each operation computes is written out in
-//! the repository's `docs/semantics.md`.
+//! [`semantics`] (the repository's `docs/semantics.md`).
 //!
 //! * [`fast`]: the SIMD + rayon fast paths ([`Exec`] picks threads and ISA) — a server's path.
 //! * [`reference`](mod@reference): the scalar oracle of every operation, the judge of the fast
@@ -61,6 +61,8 @@ pub mod formats;
 mod kernels;
 pub mod ops;
 pub mod reference;
+#[doc = include_str!("../docs/semantics.md")]
+pub mod semantics {}
 mod simd;
 
 pub use cache::{CacheShape, KvSel, KvWrite, PageTable, PagedKvCache, PagedKvCacheMut};

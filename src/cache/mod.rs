@@ -1,4 +1,4 @@
-//! The paged KV cache (spec §E): storage `[num_blocks, kv_dim, num_layers, page_size,
+//! The paged KV cache ([semantics §3](crate::semantics)): storage `[num_blocks, kv_dim, num_layers, page_size,
 //! num_kv_heads, head_size]`, owned or borrowed, and the page table MAX passes with it.
 
 mod plan;
@@ -133,7 +133,7 @@ impl CacheShape {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// Flat index of `[block, kv, layer, slot, head, dim]` (spec §E).
+    /// Flat index of `[block, kv, layer, slot, head, dim]` ([semantics §3](crate::semantics)).
     #[inline]
     pub fn index(&self, block: usize, kv: usize, layer: usize, slot: usize, head: usize, dim: usize) -> usize {
         debug_assert!(block < self.num_blocks && kv < self.kv_dim && layer < self.num_layers);

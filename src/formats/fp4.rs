@@ -1,7 +1,7 @@
 //! E2M1 (FP4) elements: decode table, MAX's encoder thresholds and the nibble packing.
 //!
 //! A nibble is `s e e m`. Two elements share a byte: element `2j` is the **low** nibble of byte `j`,
-//! element `2j + 1` the high nibble (spec §A).
+//! element `2j + 1` the high nibble ([semantics §1](crate::semantics)).
 
 /// Value of each E2M1 code. Codes 8..=15 are the negatives of 0..=7 (code 8 is −0.0).
 pub const E2M1_VALUES: [f32; 16] =

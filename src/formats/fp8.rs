@@ -23,7 +23,7 @@ impl E4M3 {
 }
 
 /// Decodes an E4M3FN byte: `(−1)^s · 2^(e−7) · (1 + m/8)`, subnormal `(−1)^s · 2^−6 · m/8`,
-/// `0x7F`/`0xFF` NaN (spec §B).
+/// `0x7F`/`0xFF` NaN ([semantics §1](crate::semantics)).
 #[inline]
 pub fn e4m3_to_f32(byte: u8) -> f32 {
     let sign = if byte & 0x80 != 0 { -1.0f32 } else { 1.0 };
@@ -55,7 +55,7 @@ pub fn e4m3_to_units(byte: u8) -> Option<i32> {
 }
 
 /// Decodes an NVFP4 block-scale byte as `|E4M3|`: the sign bit is ignored, as MAX's reference does
-/// (project decision 5); `0x7F`/`0xFF` stay NaN.
+/// ([semantics §9](crate::semantics)); `0x7F`/`0xFF` stay NaN.
 #[inline]
 pub fn e4m3_scale_to_f32(byte: u8) -> f32 {
     e4m3_to_f32(byte & 0x7F)

@@ -9,7 +9,7 @@ pub mod scale_layout;
 use crate::error::{Error, Result, checked_len};
 use scale_layout::ScaleLayout;
 
-/// A block-scaled matrix format (spec §B).
+/// A block-scaled matrix format ([semantics §1](crate::semantics)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BlockFormat {
     /// E2M1 data, two per byte, one E4M3 scale (decoded as `|value|`) per 16 elements.

@@ -1,5 +1,5 @@
 //! Quantizers (f32/bf16/f16 → NVFP4, MXFP4, MXFP8 with 5-D scales) and dequantizers, following
-//! the producer formulas of spec §C.
+//! the producer formulas of [semantics §2](crate::semantics).
 //!
 //! For each block of `V` consecutive elements of a row (the last block of a row may be partial):
 //! * NVFP4: `amax = max|x|`; `sf = e4m3(global_scale · amax / 6)`;

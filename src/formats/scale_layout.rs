@@ -1,4 +1,4 @@
-//! NVIDIA's 5-D block-scale layout (the tcgen05 "SF atom" layout MAX uses, spec §C).
+//! NVIDIA's 5-D block-scale layout (the tcgen05 "SF atom" layout MAX uses, [semantics §2](crate::semantics)).
 //!
 //! An operand with `R` rows and `Kb = ceil(K / V)` k-blocks stores its scales as a row-major
 //! `[ceil(R/128), ceil(Kb/4), 32, 4, 4]` tensor. Scale `(r, kb)` lives at coordinate

@@ -28,7 +28,7 @@ pub enum RopeMath {
     /// the destination type.
     #[default]
     F32,
-    /// MAX's sequence (spec §H) in the freqs dtype T: `t1 = rT(x1·s)`, `y0 = rT(fma(x0, c, −t1))`,
+    /// MAX's sequence ([semantics §5](crate::semantics)) in the freqs dtype T: `t1 = rT(x1·s)`, `y0 = rT(fma(x0, c, −t1))`,
     /// `t2 = rT(x1·c)`, `y1 = rT(fma(x0, s, t2))`, with the FMA evaluated in f32 and rounded to T
     /// (MAX's CPU promotion; a native bf16 FMA can differ in rare double-rounding cases).
     MaxCompat,
@@ -228,7 +228,7 @@ pub(crate) fn check_table_batch(table: &PageTable<'_>, batch: usize) -> Result<(
     if table.batch_size() == batch { Ok(()) } else { Err(Error::dims("cache_lengths", &[batch], table.batch_size())) }
 }
 
-/// Checks the Q | K | V split of N weight rows for this cache (spec §G).
+/// Checks the Q | K | V split of N weight rows for this cache ([semantics §4](crate::semantics)).
 pub(crate) fn check_split(n: usize, q_dim: usize, shape: &CacheShape) -> Result<()> {
     let kv_width = shape.kv_width();
     let ok = if shape.is_mla() {
@@ -332,7 +332,7 @@ pub(crate) fn padded_rows(valid_lengths: &[u32], seq_len: usize) -> Vec<(usize, 
     rows
 }
 
-/// Validates a block-scaled fused QKV call (every check of spec §D/§F/§G and the project's
+/// Validates a block-scaled fused QKV call (every check of [semantics §8](crate::semantics), the project's
 /// decisions) and returns its slot plan. `weight` is (format, N, K).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn validate_fp4<C: Element>(

@@ -1,10 +1,10 @@
-//! The scalar oracle: one slow, obviously correct function per operation, written from the spec
-//! (`spec/semantics.md`). No SIMD, no threads. Every fast path is judged against it.
+//! The scalar oracle: one slow, obviously correct function per operation, written from
+//! [the semantics](crate::semantics). No SIMD, no threads. Every fast path is judged against it.
 //!
 //! Each function validates all of its arguments first (see [`crate::ops`]); on any error the
 //! output and the whole cache are unchanged. Matmul results are formed as one pre-rounding value
 //! per (row, column) and rounded **once** to the destination type: Q to the output dtype, K/V to
-//! the cache dtype (FP8 saturates), as project decision 3 says.
+//! the cache dtype (FP8 saturates), as [semantics §9](crate::semantics) says.
 
 pub(crate) mod exact;
 
@@ -22,7 +22,7 @@ use exact::{ExactSum, f32_parts};
 
 /// Fused QKV projection of a ragged batch of block-scaled (NVFP4, MXFP4, MXFP8) activations with a
 /// block-scaled weight, Q to `output` (`[M, q_dim]`) and K/V into the paged cache at
-/// `cache_lengths[b] + t` (spec §D, §F, §G).
+/// `cache_lengths[b] + t` ([semantics §4](crate::semantics)).
 ///
 /// `value[m, n] = tensor_sf · Σ_k dec(A[m,k]) · dec(W[n,k]) · sa(m, k/V) · sb(n, k/V)`, accumulated
 /// as `mode` says, rounded once. Columns `< q_dim` go to `output[m, n]`; the next
@@ -123,7 +123,7 @@ pub fn qkv_bshd<T: Element, O: Element, C: Element>(
     Ok(())
 }
 
-/// RoPE on a padded batch (spec §H): rotates Q from `q_proj` into `output` and the new K **in
+/// RoPE on a padded batch ([semantics §5](crate::semantics)): rotates Q from `q_proj` into `output` and the new K **in
 /// place** in the layer's K cache at `cache_lengths[b] + s`, for `s < valid_lengths[b]` only.
 ///
 /// Padded rows (`s ≥ valid_lengths[b]`) of `output` are **not written**: they keep what the buffer
@@ -173,7 +173,7 @@ pub fn rope_bshd<T: Element, C: Element>(
 }
 
 /// RoPE on a ragged batch with optional partial rotary and position ids (MAX's
-/// `fused_qk_rope_ragged`, spec §I). Q (`[M, num_q_heads, q_head_size]`) is written to `output`
+/// `fused_qk_rope_ragged`, [semantics §5](crate::semantics)). Q (`[M, num_q_heads, q_head_size]`) is written to `output`
 /// whole: rotated dims rotated, the others copied. K is rotated in place at `cache_lengths[b] + t`
 /// over its own head size (the cache's), the other K dims untouched.
 ///
@@ -451,7 +451,7 @@ fn rope_pairs(head: usize, rope_dim: usize, interleaved: bool) -> Vec<(usize, us
     }
 }
 
-/// Rotates one pair (spec §H).
+/// Rotates one pair ([semantics §5](crate::semantics)).
 fn rope_pair<F: Element>(x0: f32, x1: f32, c: F, s: F, math: RopeMath) -> (f32, f32) {
     let (c, s) = (c.to_f32(), s.to_f32());
     match math {

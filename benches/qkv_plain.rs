@@ -1,0 +1,348 @@
+//! Fast bf16/f16/f32 fused QKV: throughput against baselines measured in the same run.
+//!
+//! `cargo bench --bench qkv_plain` (filter with e.g. `-- llama3-8b/m512`; force an ISA with
+//! `PAGED_QKV_BENCH_ISA=avx2`, read by this benchmark only). Group names say what one "element"
+//! is: `flop` groups count 2·M·N·K FLOP, `bytes` groups count weight bytes.
+//!
+//! Baselines: the `gemm` crate on the same (M, N, K) (f32, and f16 for f16); a plain read of the
+//! weight bytes (L3-hot, and cycling layers past the last-level cache); peak loops of the
+//! instructions the kernels rely on (`vfmadd231ps` zmm/ymm, `vdpbf16ps`), in `peak/flop`.
+
+use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main, measurement::WallTime};
+use paged_qkv::fast::{PackedPlainWeights, QkvBshdPackedArgs, QkvRaggedPackedArgs, matmul_plain_packed};
+use paged_qkv::{CacheShape, Element, Exec, Isa, KvWrite, PageTable, PagedKvCache, bf16, f16};
+use std::hint::black_box;
+use std::time::Duration;
+
+struct Model {
+    name: &'static str,
+    k: usize,
+    hq: usize,
+    hkv: usize,
+    hd: usize,
+}
+
+const LLAMA: Model = Model { name: "llama3-8b", k: 4096, hq: 32, hkv: 8, hd: 128 };
+const QWEN: Model = Model { name: "qwen2.5-0.5b", k: 896, hq: 14, hkv: 2, hd: 64 };
+
+impl Model {
+    fn n(&self) -> usize {
+        (self.hq + 2 * self.hkv) * self.hd
+    }
+    fn q_dim(&self) -> usize {
+        self.hq * self.hd
+    }
+}
+
+fn random<T: Element>(n: usize, seed: u64, scale: f32) -> Vec<T> {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    (0..n).map(|_| T::from_f32((rng.f32() - 0.5) * 2.0 * scale)).collect()
+}
+
+fn pool(threads: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap()
+}
+
+/// The fast paths' execution: best ISA, or the one named by `PAGED_QKV_BENCH_ISA` (bench-only).
+fn exec() -> Exec {
+    let isa = std::env::var("PAGED_QKV_BENCH_ISA").ok().and_then(|s| Isa::from_name(&s));
+    Exec { isa, ..Exec::default() }
+}
+
+/// A bf16 paged cache and page table for `m` new tokens in one sequence (ragged) or `batch`
+/// sequences of `seq` (BSHD).
+struct Cache {
+    cache: PagedKvCache<bf16>,
+    lookup: Vec<u32>,
+    cols: usize,
+    lens: Vec<u32>,
+}
+
+fn cache_for(model: &Model, batch: usize, seq: usize) -> Cache {
+    let cols = seq.div_ceil(128);
+    let shape = CacheShape::mha(batch * cols + 1, 1, 128, model.hkv, model.hd).unwrap();
+    Cache { cache: PagedKvCache::zeros(shape), lookup: (0..(batch * cols) as u32).collect(), cols, lens: vec![0; batch] }
+}
+
+impl Cache {
+    fn kv(&mut self) -> KvWrite<'_, bf16> {
+        let table = PageTable::new(&self.lookup, self.cols, &self.lens).unwrap();
+        KvWrite::new(self.cache.view_mut(), table, 0)
+    }
+}
+
+fn fused<T: Element>(x: &[T], w: &PackedPlainWeights<T>, q_dim: usize, out: &mut [bf16], c: &mut Cache, e: Exec) {
+    let m = x.len() / w.k();
+    let offs = [0, m as u32];
+    let args = QkvRaggedPackedArgs { hidden_state: x, input_row_offsets: &offs, weight: w, bias: None, q_dim };
+    paged_qkv::fast::qkv_ragged_packed(&args, out, &mut c.kv(), e).unwrap();
+}
+
+fn plain_read(bytes: &[u8]) -> u64 {
+    let mut acc = [0u64; 4];
+    for c in bytes.chunks_exact(32) {
+        for (i, a) in acc.iter_mut().enumerate() {
+            *a = a.wrapping_add(u64::from_le_bytes(c[i * 8..i * 8 + 8].try_into().unwrap()));
+        }
+    }
+    acc.iter().fold(0, |x, y| x ^ y)
+}
+
+fn plain_read_par(bytes: &[u8], threads: usize) -> u64 {
+    if threads == 1 {
+        return plain_read(bytes);
+    }
+    let half = bytes.len() / 2 / 32 * 32;
+    let (a, b) = bytes.split_at(half);
+    let (x, y) = rayon::join(|| plain_read(a), || plain_read(b));
+    x ^ y
+}
+
+/// `out = x · wᵀ` with the `gemm` crate (f32 or f16), row-major, `w` `[n, k]`.
+fn gemm_baseline<T: Copy + 'static>(m: usize, n: usize, k: usize, x: &[T], w: &[T], out: &mut [T], threads: usize, one: T, zero: T) {
+    let par = if threads == 1 { gemm::Parallelism::None } else { gemm::Parallelism::Rayon(threads) };
+    // SAFETY: x is [m, k], w is [n, k] (read as Wᵀ: row stride 1, column stride k), out is [m, n],
+    // all row-major and of exactly those sizes.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            x.as_ptr(),
+            1,
+            k as isize,
+            w.as_ptr(),
+            k as isize,
+            1,
+            zero,
+            one,
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}
+
+fn setup_group<'a>(c: &'a mut Criterion, name: &str) -> BenchmarkGroup<'a, WallTime> {
+    let mut g = c.benchmark_group(name);
+    g.sample_size(10).warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(2));
+    g
+}
+
+/// GFLOP/s of the fused op (bf16, f32; f16 on Llama at M ≥ 64), of the same kernels into a plain
+/// `[M, N]` matrix, of `gemm`, and of a padded BSHD batch half of whose rows are valid.
+fn compute(c: &mut Criterion) {
+    for model in [LLAMA, QWEN] {
+        let (k, n, q_dim) = (model.k, model.n(), model.q_dim());
+        let scale = 1.0 / (k as f32).sqrt();
+        let w_bf: Vec<bf16> = random(n * k, 1, scale);
+        let w_f32: Vec<f32> = w_bf.iter().map(|v| v.to_f32()).collect();
+        let pw_bf = PackedPlainWeights::new(&w_bf, k).unwrap();
+        let pw_f32 = PackedPlainWeights::new(&w_f32, k).unwrap();
+        let w_f16: Vec<f16> = w_f32.iter().map(|&v| f16::from_f32(v)).collect();
+        let pw_f16 = PackedPlainWeights::new(&w_f16, k).unwrap();
+        for m in [1usize, 8, 64, 512] {
+            let x_bf: Vec<bf16> = random(m * k, 2 + m as u64, 1.0);
+            let x_f32: Vec<f32> = x_bf.iter().map(|v| v.to_f32()).collect();
+            let x_f16: Vec<f16> = x_f32.iter().map(|&v| f16::from_f32(v)).collect();
+            let mut g = setup_group(c, &format!("{}/m{m}/flop", model.name));
+            g.throughput(Throughput::Elements((2 * m * n * k) as u64));
+            for threads in [1usize, 2] {
+                let p = pool(threads);
+                let mut out = vec![bf16::ZERO; m * q_dim];
+                let mut cache = cache_for(&model, 1, m);
+                g.bench_function(format!("fused_bf16_t{threads}"), |b| {
+                    p.install(|| b.iter(|| fused(&x_bf, &pw_bf, q_dim, &mut out, &mut cache, exec())))
+                });
+                g.bench_function(format!("fused_f32_t{threads}"), |b| {
+                    p.install(|| b.iter(|| fused(&x_f32, &pw_f32, q_dim, &mut out, &mut cache, exec())))
+                });
+                let mut gout = vec![0f32; m * n];
+                g.bench_function(format!("gemm_f32_t{threads}"), |b| {
+                    p.install(|| b.iter(|| gemm_baseline(m, n, k, &x_f32, &w_f32, &mut gout, threads, 1.0, 0.0)))
+                });
+                if m >= 64 {
+                    let mut plain = vec![bf16::ZERO; m * n];
+                    g.bench_function(format!("plain_matrix_bf16_t{threads}"), |b| {
+                        p.install(|| b.iter(|| matmul_plain_packed(&x_bf, &pw_bf, None, &mut plain, exec()).unwrap()))
+                    });
+                    if model.name == LLAMA.name {
+                        g.bench_function(format!("fused_f16_t{threads}"), |b| {
+                            p.install(|| b.iter(|| fused(&x_f16, &pw_f16, q_dim, &mut out, &mut cache, exec())))
+                        });
+                        let mut hout = vec![f16::ZERO; m * n];
+                        g.bench_function(format!("gemm_f16_t{threads}"), |b| {
+                            p.install(|| {
+                                b.iter(|| gemm_baseline(m, n, k, &x_f16, &w_f16, &mut hout, threads, f16::ONE, f16::ZERO))
+                            })
+                        });
+                    }
+                }
+                if m == 512 {
+                    // 8 sequences padded to 64: all valid, or valid lengths summing to half.
+                    for (name, valid) in [("full", [64u32; 8]), ("half", [64, 0, 64, 0, 32, 32, 48, 16])] {
+                        let mut cache = cache_for(&model, 8, 64);
+                        g.bench_function(format!("bshd_bf16_{name}_t{threads}"), |b| {
+                            p.install(|| {
+                                b.iter(|| {
+                                    let args = QkvBshdPackedArgs {
+                                        hidden_state: &x_bf,
+                                        batch: 8,
+                                        seq_len: 64,
+                                        weight: &pw_bf,
+                                        valid_lengths: &valid,
+                                        q_dim,
+                                    };
+                                    paged_qkv::fast::qkv_bshd_packed(&args, &mut out, &mut cache.kv(), exec()).unwrap()
+                                })
+                            })
+                        });
+                    }
+                }
+            }
+            g.finish();
+        }
+    }
+}
+
+/// M = 1 against a plain read of the same bytes: L3-hot (one layer) and from DRAM (cycling
+/// through enough layers to exceed the last-level cache).
+fn decode(c: &mut Criterion) {
+    let model = LLAMA;
+    let (k, n) = (model.k, model.n());
+    let w: Vec<bf16> = random(n * k, 1, 1.0 / 64.0);
+    let x: Vec<bf16> = random(k, 9, 1.0);
+    let pw = PackedPlainWeights::new(&w, k).unwrap();
+    let bytes = pw.size_bytes();
+    let layers = (400 << 20) / bytes + 1; // > the 260 MiB last-level cache reported here
+    let cold: Vec<PackedPlainWeights<bf16>> = (0..layers).map(|_| pw.clone()).collect();
+    let hot_raw: Vec<u8> = w.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect();
+    let cold_raw: Vec<Vec<u8>> = (0..layers).map(|_| hot_raw.clone()).collect();
+    let mut out = vec![bf16::ZERO; model.q_dim()];
+    let mut cache = cache_for(&model, 1, 1);
+    let mut g = setup_group(c, &format!("{}/decode_bf16/bytes", model.name));
+    g.throughput(Throughput::Bytes(hot_raw.len() as u64));
+    for threads in [1usize, 2] {
+        let p = pool(threads);
+        g.bench_function(format!("hot_fused_t{threads}"), |b| {
+            p.install(|| b.iter(|| fused(&x, &pw, model.q_dim(), &mut out, &mut cache, exec())))
+        });
+        g.bench_function(format!("hot_read_t{threads}"), |b| {
+            p.install(|| b.iter(|| black_box(plain_read_par(&hot_raw, threads))))
+        });
+        let mut i = 0;
+        g.bench_function(format!("dram_fused_t{threads}"), |b| {
+            p.install(|| {
+                b.iter(|| {
+                    i = (i + 1) % layers;
+                    fused(&x, &cold[i], model.q_dim(), &mut out, &mut cache, exec())
+                })
+            })
+        });
+        g.bench_function(format!("dram_read_t{threads}"), |b| {
+            p.install(|| {
+                b.iter(|| {
+                    i = (i + 1) % layers;
+                    black_box(plain_read_par(&cold_raw[i], threads))
+                })
+            })
+        });
+    }
+    g.finish();
+}
+
+#[cfg(target_arch = "x86_64")]
+mod peak {
+    //! Peak loops: 24 independent accumulator chains of one instruction, no memory operands.
+    use std::arch::x86_64::*;
+
+    pub const ITERS: usize = 1 << 16;
+
+    /// FLOP of one call of each loop.
+    pub fn flop(per_instr: usize) -> u64 {
+        (ITERS * 24 * per_instr) as u64
+    }
+
+    macro_rules! chains {
+        ($zero:expr, $op:expr) => {{
+            let mut a = [$zero; 24];
+            for _ in 0..ITERS {
+                for x in a.iter_mut() {
+                    *x = $op(*x);
+                }
+            }
+            a
+        }};
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub fn fma_zmm() -> f32 {
+        let (x, y) = (_mm512_set1_ps(1.0001), _mm512_set1_ps(0.9999));
+        let a = chains!(_mm512_setzero_ps(), |acc| _mm512_fmadd_ps(x, y, acc));
+        a.iter().map(|&v| _mm512_reduce_add_ps(v)).sum()
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub fn fma_ymm() -> f32 {
+        let (x, y) = (_mm256_set1_ps(1.0001), _mm256_set1_ps(0.9999));
+        let a = chains!(_mm256_setzero_ps(), |acc| _mm256_fmadd_ps(x, y, acc));
+        let mut o = [0f32; 8];
+        let s = a.iter().fold(_mm256_setzero_ps(), |s, &v| _mm256_add_ps(s, v));
+        // SAFETY: o holds 8 f32.
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), s) };
+        o.iter().sum()
+    }
+
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub fn dpbf16() -> f32 {
+        // SAFETY: __m512i and __m512bh are both 64 plain bytes.
+        let (x, y): (__m512bh, __m512bh) =
+            unsafe { (std::mem::transmute(_mm512_set1_epi32(0x3F80_3F80)), std::mem::transmute(_mm512_set1_epi32(0x3F80_3F81))) };
+        let a = chains!(_mm512_setzero_ps(), |acc| _mm512_dpbf16_ps(acc, x, y));
+        a.iter().map(|&v| _mm512_reduce_add_ps(v)).sum()
+    }
+}
+
+/// The instruction peaks the targets are stated against (per thread count).
+#[cfg(target_arch = "x86_64")]
+fn peaks(c: &mut Criterion) {
+    let has = |f: &str| match f {
+        "avx512f" => std::arch::is_x86_feature_detected!("avx512f"),
+        "avx512bf16" => std::arch::is_x86_feature_detected!("avx512bf16"),
+        _ => std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma"),
+    };
+    type Peak = (&'static str, &'static str, usize, fn() -> f32);
+    // SAFETY (each closure): called only after the feature check below.
+    let loops: [Peak; 3] = [
+        ("fma_zmm", "avx512f", 32, || unsafe { peak::fma_zmm() }),
+        ("fma_ymm", "avx2", 16, || unsafe { peak::fma_ymm() }),
+        ("vdpbf16ps_zmm", "avx512bf16", 64, || unsafe { peak::dpbf16() }),
+    ];
+    let mut g = setup_group(c, "peak/flop");
+    for (name, feature, per, f) in loops {
+        if !has(feature) {
+            continue;
+        }
+        for threads in [1usize, 2] {
+            let p = pool(threads);
+            g.throughput(Throughput::Elements(peak::flop(per) * threads as u64));
+            g.bench_function(format!("{name}_t{threads}"), |b| {
+                p.install(|| {
+                    b.iter(|| if threads == 1 { black_box(f()) } else { black_box(rayon::join(f, f).0) })
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn peaks(_c: &mut Criterion) {}
+
+criterion_group!(benches, peaks, decode, compute);
+criterion_main!(benches);
