@@ -78,6 +78,7 @@ fn fused(a: &QuantizedMatrix, w: &PackedWeights, q_dim: usize, out: &mut [bf16],
         weight: w,
         tensor_sf: a.tensor_scale() * w_scale(),
         q_dim,
+        rope: None,
     };
     let table = PageTable::new(&c.lookup, c.lookup.len(), &c.lens).unwrap();
     let mut kv = KvWrite::new(c.cache.view_mut(), table, 0);
@@ -201,6 +202,7 @@ fn compute(c: &mut Criterion) {
                             weight: wq0.as_ref(),
                             tensor_sf: 1.0,
                             q_dim: model.q_dim(),
+                            rope: None,
                         };
                         let table = PageTable::new(&cache.lookup, cache.lookup.len(), &cache.lens).unwrap();
                         let mut kv = KvWrite::new(cache.cache.view_mut(), table, 0);

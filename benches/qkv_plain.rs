@@ -61,7 +61,12 @@ struct Cache {
 fn cache_for(model: &Model, batch: usize, seq: usize) -> Cache {
     let cols = seq.div_ceil(128);
     let shape = CacheShape::mha(batch * cols + 1, 1, 128, model.hkv, model.hd).unwrap();
-    Cache { cache: PagedKvCache::zeros(shape), lookup: (0..(batch * cols) as u32).collect(), cols, lens: vec![0; batch] }
+    Cache {
+        cache: PagedKvCache::zeros(shape),
+        lookup: (0..(batch * cols) as u32).collect(),
+        cols,
+        lens: vec![0; batch],
+    }
 }
 
 impl Cache {
@@ -74,7 +79,8 @@ impl Cache {
 fn fused<T: Element>(x: &[T], w: &PackedPlainWeights<T>, q_dim: usize, out: &mut [bf16], c: &mut Cache, e: Exec) {
     let m = x.len() / w.k();
     let offs = [0, m as u32];
-    let args = QkvRaggedPackedArgs { hidden_state: x, input_row_offsets: &offs, weight: w, bias: None, q_dim };
+    let args =
+        QkvRaggedPackedArgs { hidden_state: x, input_row_offsets: &offs, weight: w, bias: None, q_dim, rope: None };
     paged_qkv::fast::qkv_ragged_packed(&args, out, &mut c.kv(), e).unwrap();
 }
 
@@ -99,7 +105,17 @@ fn plain_read_par(bytes: &[u8], threads: usize) -> u64 {
 }
 
 /// `out = x · wᵀ` with the `gemm` crate (f32 or f16), row-major, `w` `[n, k]`.
-fn gemm_baseline<T: Copy + 'static>(m: usize, n: usize, k: usize, x: &[T], w: &[T], out: &mut [T], threads: usize, one: T, zero: T) {
+fn gemm_baseline<T: Copy + 'static>(
+    m: usize,
+    n: usize,
+    k: usize,
+    x: &[T],
+    w: &[T],
+    out: &mut [T],
+    threads: usize,
+    one: T,
+    zero: T,
+) {
     let par = if threads == 1 { gemm::Parallelism::None } else { gemm::Parallelism::Rayon(threads) };
     // SAFETY: x is [m, k], w is [n, k] (read as Wᵀ: row stride 1, column stride k), out is [m, n],
     // all row-major and of exactly those sizes.
@@ -178,7 +194,9 @@ fn compute(c: &mut Criterion) {
                         let mut hout = vec![f16::ZERO; m * n];
                         g.bench_function(format!("gemm_f16_t{threads}"), |b| {
                             p.install(|| {
-                                b.iter(|| gemm_baseline(m, n, k, &x_f16, &w_f16, &mut hout, threads, f16::ONE, f16::ZERO))
+                                b.iter(|| {
+                                    gemm_baseline(m, n, k, &x_f16, &w_f16, &mut hout, threads, f16::ONE, f16::ZERO)
+                                })
                             })
                         });
                     }
@@ -197,6 +215,7 @@ fn compute(c: &mut Criterion) {
                                         weight: &pw_bf,
                                         valid_lengths: &valid,
                                         q_dim,
+                                        rope: None,
                                     };
                                     paged_qkv::fast::qkv_bshd_packed(&args, &mut out, &mut cache.kv(), exec()).unwrap()
                                 })
@@ -301,8 +320,9 @@ mod peak {
     #[target_feature(enable = "avx512f,avx512bf16")]
     pub fn dpbf16() -> f32 {
         // SAFETY: __m512i and __m512bh are both 64 plain bytes.
-        let (x, y): (__m512bh, __m512bh) =
-            unsafe { (std::mem::transmute(_mm512_set1_epi32(0x3F80_3F80)), std::mem::transmute(_mm512_set1_epi32(0x3F80_3F81))) };
+        let (x, y): (__m512bh, __m512bh) = unsafe {
+            (std::mem::transmute(_mm512_set1_epi32(0x3F80_3F80)), std::mem::transmute(_mm512_set1_epi32(0x3F80_3F81)))
+        };
         let a = chains!(_mm512_setzero_ps(), |acc| _mm512_dpbf16_ps(acc, x, y));
         a.iter().map(|&v| _mm512_reduce_add_ps(v)).sum()
     }
@@ -332,9 +352,7 @@ fn peaks(c: &mut Criterion) {
             let p = pool(threads);
             g.throughput(Throughput::Elements(peak::flop(per) * threads as u64));
             g.bench_function(format!("{name}_t{threads}"), |b| {
-                p.install(|| {
-                    b.iter(|| if threads == 1 { black_box(f()) } else { black_box(rayon::join(f, f).0) })
-                })
+                p.install(|| b.iter(|| if threads == 1 { black_box(f()) } else { black_box(rayon::join(f, f).0) }))
             });
         }
     }

@@ -35,6 +35,7 @@ fn bench(c: &mut Criterion) {
                         weight: wq.as_ref(),
                         tensor_sf: 1.0,
                         q_dim,
+                        rope: None,
                     };
                     let table = PageTable::new(&[0], 1, &[0]).unwrap();
                     let mut kv = KvWrite::new(cache.view_mut(), table, 0);

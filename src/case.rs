@@ -107,7 +107,7 @@ impl Op {
     }
     /// Whether [`Mode::Fast`] runs a fast path for this op (else the reference in Exact mode).
     pub fn has_fast_path(self) -> bool {
-        matches!(self, Op::QkvFp4Ragged | Op::QkvRagged | Op::QkvBshd)
+        true
     }
 }
 
@@ -260,6 +260,16 @@ pub fn decode<T: Element>(bytes: &[u8]) -> Vec<T> {
 pub fn encode<T: Element>(v: &[T]) -> Vec<u8> {
     let w = T::DTYPE.size();
     v.iter().flat_map(|x| x.to_bits().to_le_bytes().into_iter().take(w)).collect()
+}
+
+/// A QKV case's RoPE tensors: the table, its width (`rope_dim`), the position ids.
+type CaseRope = (OwnedFreqs, usize, Option<Vec<u32>>);
+
+/// A decoded `freqs_cis` table.
+enum OwnedFreqs {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+    F16(Vec<f16>),
 }
 
 /// A parsed case.
@@ -540,12 +550,14 @@ impl Case {
                 )?;
                 let w =
                     QuantizedRef::new(format, n, k, &self.tensor("weight")?.data, &self.tensor("weight_scale")?.data)?;
+                let freqs = self.qkv_freqs()?;
                 let args = ops::QkvFp4Args {
                     hidden_state: a,
                     input_row_offsets: &offsets,
                     weight: w,
                     tensor_sf,
                     q_dim: oshape[1],
+                    rope: self.qkv_rope(&freqs, kv.cache.shape().head_size(), mode)?,
                 };
                 match mode {
                     Mode::Fast => fast::qkv_fp4_ragged(&args, out, kv, exec)?,
@@ -600,7 +612,10 @@ impl Case {
                     valid_lengths: &valid,
                     interleaved: self.interleaved()?,
                 };
-                reference::rope_bshd(&args, out, kv, Self::rope_math(mode))?;
+                match mode {
+                    Mode::Fast => fast::rope_bshd(&args, out, kv, Self::rope_math(mode), exec)?,
+                    _ => reference::rope_bshd(&args, out, kv, Self::rope_math(mode))?,
+                }
             }
             Op::RopeRagged => {
                 let (qd, qs) = self.float_info("q_proj", Some(3))?;
@@ -636,7 +651,10 @@ impl Case {
                             position_ids: ids.as_deref(),
                             interleaved: self.interleaved()?,
                         };
-                        reference::rope_ragged(&args, out, kv, Self::rope_math(mode))?
+                        match mode {
+                            Mode::Fast => fast::rope_ragged(&args, out, kv, Self::rope_math(mode), exec)?,
+                            _ => reference::rope_ragged(&args, out, kv, Self::rope_math(mode))?,
+                        }
                     }};
                 }
                 match fd {
@@ -666,10 +684,11 @@ impl Case {
                 }
                 if self.op == Op::KvStoreRagged {
                     let offsets = self.u32s("input_row_offsets", None)?;
-                    reference::kv_store_ragged(
-                        &ops::KvStoreRaggedArgs { values: &values, input_row_offsets: &offsets, which },
-                        kv,
-                    )?;
+                    let args = ops::KvStoreRaggedArgs { values: &values, input_row_offsets: &offsets, which };
+                    match mode {
+                        Mode::Fast => fast::kv_store_ragged(&args, kv, exec)?,
+                        _ => reference::kv_store_ragged(&args, kv)?,
+                    }
                 } else {
                     let valid = self.u32s("valid_lengths", Some(&[xs[0]]))?;
                     let args = ops::KvStoreBshdArgs {
@@ -679,11 +698,63 @@ impl Case {
                         valid_lengths: &valid,
                         which,
                     };
-                    reference::kv_store_bshd(&args, kv)?;
+                    match mode {
+                        Mode::Fast => fast::kv_store_bshd(&args, kv, exec)?,
+                        _ => reference::kv_store_bshd(&args, kv)?,
+                    }
                 }
             }
         }
         Ok(())
+    }
+
+    /// A QKV case's optional fused RoPE table: the `freqs_cis` tensor (f32, bf16 or f16,
+    /// `[rows, rope_dim]`), with `position_ids` for the ragged ops.
+    fn qkv_freqs(&self) -> Result<Option<CaseRope>> {
+        if !self.tensors.contains_key("freqs_cis") {
+            return Ok(None);
+        }
+        let (fd, fs) = self.float_info("freqs_cis", Some(2))?;
+        let rd = fs[1];
+        let data = &self.tensor("freqs_cis")?.data;
+        let f = match fd {
+            DType::F32 => OwnedFreqs::F32(decode(data)),
+            DType::BF16 => OwnedFreqs::Bf16(decode(data)),
+            DType::F16 => OwnedFreqs::F16(decode(data)),
+            DType::F8E4M3 => return err("`freqs_cis`: expected dtype BF16, F16 or F32, found F8_E4M3"),
+        };
+        let ids = if self.tensors.contains_key("position_ids") { Some(self.u32s("position_ids", None)?) } else { None };
+        Ok(Some((f, rd, ids)))
+    }
+
+    /// The fused RoPE of a QKV case that has a `freqs_cis` tensor: metadata `interleaved`
+    /// (default `false`) and `q_head_size` (default: the cache's head size); math as for the RoPE
+    /// ops (`Sequential` → MAX's rounding sequence, else f32).
+    fn qkv_rope<'f>(
+        &self,
+        freqs: &'f Option<CaseRope>,
+        head: usize,
+        mode: Mode,
+    ) -> Result<Option<ops::QkvRope<'f>>> {
+        let Some((f, rope_dim, ids)) = freqs else { return Ok(None) };
+        let interleaved = if self.meta.contains_key("interleaved") { self.interleaved()? } else { false };
+        let q_head_size = if self.meta.contains_key("q_head_size") {
+            self.meta_parse("q_head_size", "an unsigned integer")?
+        } else {
+            head
+        };
+        Ok(Some(ops::QkvRope {
+            freqs_cis: match f {
+                OwnedFreqs::F32(v) => ops::Freqs::F32(v),
+                OwnedFreqs::Bf16(v) => ops::Freqs::Bf16(v),
+                OwnedFreqs::F16(v) => ops::Freqs::F16(v),
+            },
+            q_head_size,
+            rope_dim: *rope_dim,
+            interleaved,
+            position_ids: ids.as_deref(),
+            math: Self::rope_math(mode),
+        }))
     }
 
     /// `qkv_ragged` / `qkv_bshd` with activations, weight and bias of one dtype `T` (as MAX).
@@ -718,6 +789,7 @@ impl Case {
                 None
             };
             let offsets = self.u32s("input_row_offsets", None)?;
+            let freqs = self.qkv_freqs()?;
             let args = ops::QkvRaggedArgs {
                 hidden_state: &x,
                 input_row_offsets: &offsets,
@@ -725,6 +797,7 @@ impl Case {
                 hidden_size: k,
                 bias: bias.as_deref(),
                 q_dim,
+                rope: self.qkv_rope(&freqs, kv.cache.shape().head_size(), mode)?,
             };
             match mode {
                 Mode::Fast => fast::qkv_ragged(&args, out, kv, exec)?,
@@ -732,6 +805,7 @@ impl Case {
             }
         } else {
             let valid = self.u32s("valid_lengths", Some(&[xs[0]]))?;
+            let freqs = self.qkv_freqs()?;
             let args = ops::QkvBshdArgs {
                 hidden_state: &x,
                 batch: xs[0],
@@ -740,6 +814,7 @@ impl Case {
                 weight: &w,
                 valid_lengths: &valid,
                 q_dim,
+                rope: self.qkv_rope(&freqs, kv.cache.shape().head_size(), mode)?,
             };
             match mode {
                 Mode::Fast => fast::qkv_bshd(&args, out, kv, exec)?,

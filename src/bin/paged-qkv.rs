@@ -8,9 +8,10 @@ use paged_qkv::fast::{self, PackedPlainWeights, QkvFp4PackedArgs, QkvRaggedPacke
 use paged_qkv::formats::quantize::{amax, nvfp4_global_scale, quantize};
 use paged_qkv::formats::scale_layout::ScaleLayout;
 use paged_qkv::formats::{BlockFormat, QuantizedMatrix};
+use paged_qkv::ops::{Freqs, QkvRope};
 use paged_qkv::{
     Accumulation, CacheShape, Element, Exec, Isa, KvWrite, PackedWeights, PageTable, PagedKvCache, QkvFp4Args,
-    RopeMath, RopeRaggedArgs, bf16, f16, reference,
+    RopeMath, bf16, f16, reference,
 };
 use rayon::prelude::*;
 use std::collections::BTreeMap;
@@ -234,7 +235,7 @@ enum Cmd {
         #[arg(long)]
         threads: Option<usize>,
     },
-    /// A quick table of the fast path's throughput, with the weight-read bandwidth as yardstick.
+    /// A quick table of the fast fused QKV + RoPE's throughput, with the weight-read bandwidth as yardstick.
     Bench {
         /// The model shape.
         #[arg(long, value_enum, default_value = "llama3-8b")]
@@ -456,7 +457,7 @@ fn demo() -> Result<(), Bad> {
     let m = ModelArg::Llama3_8b.shape();
     let (k, q_dim, n) = (m.hidden, m.q_heads * m.head, (m.q_heads + 2 * m.kv_heads) * m.head);
     outln!(
-        "paged-qkv demo — Llama-3-8B attention prologue on {} ({} threads)",
+        "paged-qkv demo — Llama-3-8B attention prologue (fused QKV + RoPE into a paged cache) on {} ({} threads)",
         Isa::best().name(),
         rayon::current_num_threads()
     );
@@ -507,24 +508,21 @@ fn demo() -> Result<(), Bad> {
             offsets.push(offsets[offsets.len() - 1] + l as u32);
         }
         let mut q = vec![bf16::ZERO; mtot * q_dim];
-        let mut q_rot = vec![bf16::ZERO; mtot * q_dim];
+        let rope = QkvRope {
+            freqs_cis: Freqs::F32(&freqs),
+            q_head_size: m.head,
+            rope_dim: m.head,
+            interleaved: false,
+            position_ids: None,
+            math: RopeMath::F32,
+        };
         let t = Instant::now();
         {
             let table = PageTable::new(&lookup, cols, cache_lengths)?;
             let mut kv = KvWrite::new(cache.view_mut(), table, 0);
-            let args = QkvFp4PackedArgs::new(a.as_ref(), &offsets, &packed, q_dim);
+            let args =
+                QkvFp4PackedArgs { rope: Some(rope), ..QkvFp4PackedArgs::new(a.as_ref(), &offsets, &packed, q_dim) };
             fast::qkv_fp4_ragged_packed(&args, &mut q, &mut kv, Exec::default())?;
-            let rope = RopeRaggedArgs {
-                q_proj: &q,
-                input_row_offsets: &offsets,
-                num_q_heads: m.q_heads,
-                q_head_size: m.head,
-                freqs_cis: &freqs,
-                rope_dim: m.head,
-                position_ids: None,
-                interleaved: false,
-            };
-            reference::rope_ragged(&rope, &mut q_rot, &mut kv, RopeMath::F32)?;
         }
         let secs = t.elapsed().as_secs_f64();
         // Oracle on the checked rows.
@@ -550,6 +548,7 @@ fn demo() -> Result<(), Bad> {
                 weight: wq.as_ref(),
                 tensor_sf: a.tensor_scale() * packed.tensor_scale(),
                 q_dim,
+                rope: Some(rope),
             };
             reference::qkv_fp4_ragged(&args, &mut ref_q, &mut kv, Accumulation::Exact)?;
         }
@@ -649,7 +648,7 @@ fn demo() -> Result<(), Bad> {
         );
     }
     outln!(
-        "  (time: fast fused QKV + RoPE per phase; speed-up: the scalar reference (Exact), timed on sampled tokens, per token;"
+        "  (time: fast fused QKV + RoPE (one pass) per phase; speed-up: the scalar reference (Exact, same RoPE), timed on sampled tokens, per token;"
     );
     outln!(
         "   max err: fast bf16 Q against the exact oracle on those tokens, in bf16 ULPs and absolute; pages: cache pages in use)"
@@ -716,8 +715,13 @@ fn bench(m: case::ModelShape, threads: Option<usize>, dtypes: &[DtypeArg], isa: 
                     let mut c = BenchCache::new(m, mm, q_dim);
                     Box::new(move || {
                         let offs = [0, mm as u32];
-                        let args = QkvFp4PackedArgs::new(a.as_ref(), &offs, &packed, q_dim);
-                        c.call(|out, kv| fast::qkv_fp4_ragged_packed(&args, out, kv, exec));
+                        c.call(|out, kv, rope| {
+                            let args = QkvFp4PackedArgs {
+                                rope: Some(rope),
+                                ..QkvFp4PackedArgs::new(a.as_ref(), &offs, &packed, q_dim)
+                            };
+                            fast::qkv_fp4_ragged_packed(&args, out, kv, exec)
+                        });
                     })
                 };
                 (format.name(), bytes, Box::new(run))
@@ -776,31 +780,52 @@ fn plain_runner<T: Element>(
         let mut c = BenchCache::new(m, mm, q_dim);
         Box::new(move || {
             let offs = [0, mm as u32];
-            let args =
-                QkvRaggedPackedArgs { hidden_state: &x, input_row_offsets: &offs, weight: &packed, bias: None, q_dim };
-            c.call(|out, kv| fast::qkv_ragged_packed(&args, out, kv, exec));
+            c.call(|out, kv, rope| {
+                let rope = Some(rope);
+                let args = QkvRaggedPackedArgs {
+                    hidden_state: &x,
+                    input_row_offsets: &offs,
+                    weight: &packed,
+                    bias: None,
+                    q_dim,
+                    rope,
+                };
+                fast::qkv_ragged_packed(&args, out, kv, exec)
+            });
         })
     };
     Ok((name, bytes, Box::new(run)))
 }
 
-/// A bf16 output and paged cache for `mm` new tokens of one sequence.
+/// A bf16 output and paged cache for `mm` new tokens of one sequence, and its RoPE table.
 struct BenchCache {
     cache: PagedKvCache<bf16>,
     lookup: Vec<u32>,
     out: Vec<bf16>,
+    freqs: Vec<f32>,
+    head: usize,
 }
 
 impl BenchCache {
     fn new(m: case::ModelShape, mm: usize, q_dim: usize) -> Self {
         let shape = CacheShape::mha(mm.div_ceil(m.page) + 1, 1, m.page, m.kv_heads, m.head).expect("valid shape");
         let lookup = (0..shape.num_blocks() as u32).collect();
-        BenchCache { cache: PagedKvCache::zeros(shape), lookup, out: vec![bf16::ZERO; mm * q_dim] }
+        let freqs = paged_qkv::freqs_cis(mm, m.head, m.rope_theta);
+        BenchCache { cache: PagedKvCache::zeros(shape), lookup, out: vec![bf16::ZERO; mm * q_dim], freqs, head: m.head }
     }
 
-    fn call(&mut self, f: impl FnOnce(&mut [bf16], &mut KvWrite<'_, bf16>) -> paged_qkv::Result<()>) {
+    /// Runs `f` with the output, the cache and the model's RoPE (NeoX halves, f32 math) to fuse.
+    fn call(&mut self, f: impl FnOnce(&mut [bf16], &mut KvWrite<'_, bf16>, QkvRope<'_>) -> paged_qkv::Result<()>) {
+        let rope = QkvRope {
+            freqs_cis: Freqs::F32(&self.freqs),
+            q_head_size: self.head,
+            rope_dim: self.head,
+            interleaved: false,
+            position_ids: None,
+            math: RopeMath::F32,
+        };
         let table = PageTable::new(&self.lookup, self.lookup.len(), &[0]).expect("valid table");
         let mut kv = KvWrite::new(self.cache.view_mut(), table, 0);
-        f(&mut self.out, &mut kv).expect("valid call");
+        f(&mut self.out, &mut kv, rope).expect("valid call");
     }
 }

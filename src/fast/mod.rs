@@ -7,6 +7,8 @@
 //! | bf16/f16/f32 fused QKV, ragged (+ bias) | [`qkv_ragged`] | [`qkv_ragged_packed`] ([`PackedPlainWeights`]) |
 //! | bf16/f16/f32 fused QKV, padded BSHD | [`qkv_bshd`] | [`qkv_bshd_packed`] |
 //! | the same kernels into a plain `[M, N]` matrix | | [`matmul_fp4_packed`], [`matmul_plain_packed`] |
+//! | RoPE on Q and the new K, padded / ragged | [`rope_bshd`], [`rope_ragged`] | (or fused: the `rope` argument of every fused QKV) |
+//! | K or V store, ragged / padded | [`kv_store_ragged`], [`kv_store_bshd`] | |
 //!
 //! Every entry point takes the oracle's arguments (plus [`Exec`]), validates them exactly as the
 //! oracle does before anything is written, and returns the same errors.
@@ -37,18 +39,20 @@
 //! The server's path (pack once, call per step) is the `serve_decode` example
 //! (`cargo run --release --example serve_decode`); each entry point below has a short one.
 
-use crate::cache::{KvWrite, SlotPlan};
+use crate::cache::{KvSel, KvWrite, SlotPlan};
 use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::formats::QuantizedRef;
-use crate::kernels::epilogue::{Dest, MatrixDest, QkvDest};
+use crate::kernels::epilogue::{Dest, EpiRope, MatrixDest, QkvDest};
 use crate::kernels::operands::{Fp4Operands, PlainOperands};
 use crate::kernels::pack::{Fp4Acts, PlainActs};
+use crate::kernels::rope::{RopeSpec, rope_rows, slot_bases, store_rows};
 use crate::kernels::schedule::{Panels, run};
 pub use crate::kernels::{PackedPlainWeights, PackedWeights};
 use crate::ops::{
-    QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, check_tensor, validate_fp4, validate_qkv_bshd, validate_qkv_ragged,
-    weight_rows,
+    KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, QkvRope, RopeBshdArgs, RopeMath,
+    RopeRaggedArgs, check_tensor, validate_fp4, validate_kv_store_bshd, validate_kv_store_ragged, validate_qkv_bshd,
+    validate_qkv_ragged, validate_rope_bshd, validate_rope_ragged, weight_rows,
 };
 pub use crate::simd::Isa;
 use crate::simd::IsaToken;
@@ -99,6 +103,8 @@ pub struct QkvFp4PackedArgs<'a> {
     pub tensor_sf: f32,
     /// Columns routed to `output`.
     pub q_dim: usize,
+    /// RoPE on Q and the new K in the epilogue (`None`: no rotation).
+    pub rope: Option<QkvRope<'a>>,
 }
 
 impl<'a> QkvFp4PackedArgs<'a> {
@@ -111,7 +117,7 @@ impl<'a> QkvFp4PackedArgs<'a> {
         q_dim: usize,
     ) -> Self {
         let tensor_sf = hidden_state.tensor_scale() * weight.tensor_scale();
-        QkvFp4PackedArgs { hidden_state, input_row_offsets, weight, tensor_sf, q_dim }
+        QkvFp4PackedArgs { hidden_state, input_row_offsets, weight, tensor_sf, q_dim, rope: None }
     }
 }
 
@@ -128,6 +134,8 @@ pub struct QkvRaggedPackedArgs<'a, T> {
     pub bias: Option<&'a [T]>,
     /// Columns routed to `output`.
     pub q_dim: usize,
+    /// RoPE on Q and the new K in the epilogue (`None`: no rotation).
+    pub rope: Option<QkvRope<'a>>,
 }
 
 /// Arguments of [`qkv_bshd_packed`]: as [`QkvBshdArgs`], with a prepacked weight.
@@ -145,6 +153,8 @@ pub struct QkvBshdPackedArgs<'a, T> {
     pub valid_lengths: &'a [u32],
     /// Columns routed to `output` (`[batch, seq_len, q_dim]`).
     pub q_dim: usize,
+    /// RoPE on Q and the new K in the epilogue (`None`: no rotation).
+    pub rope: Option<QkvRope<'a>>,
 }
 
 /// The fast [`reference::qkv_fp4_ragged`](crate::reference::qkv_fp4_ragged), with the MAX-shaped
@@ -171,6 +181,7 @@ pub struct QkvBshdPackedArgs<'a, T> {
 ///     weight: wq.as_ref(),
 ///     tensor_sf: a.tensor_scale() * wq.tensor_scale(),
 ///     q_dim,
+///     rope: None,
 /// };
 /// fast::qkv_fp4_ragged(&args, &mut q, &mut kv, Exec::default())?;
 /// # Ok(())
@@ -190,7 +201,7 @@ pub fn qkv_fp4_ragged<O: Element, C: Element>(
         args.input_row_offsets,
         (w.format(), w.rows(), w.k()),
         args.tensor_sf,
-        args.q_dim,
+        (args.q_dim, args.rope.as_ref()),
         output.len(),
         kv,
     )?;
@@ -201,6 +212,7 @@ pub fn qkv_fp4_ragged<O: Element, C: Element>(
         weight: &packed,
         tensor_sf: args.tensor_sf,
         q_dim: args.q_dim,
+        rope: args.rope,
     };
     fp4_into_cache(&packed_args, output, kv, exec, token, &plan);
     Ok(())
@@ -245,12 +257,29 @@ pub fn qkv_fp4_ragged_packed<O: Element, C: Element>(
         args.input_row_offsets,
         (w.format(), w.rows(), w.k()),
         args.tensor_sf,
-        args.q_dim,
+        (args.q_dim, args.rope.as_ref()),
         output.len(),
         kv,
     )?;
     fp4_into_cache(args, output, kv, exec, token, &plan);
     Ok(())
+}
+
+/// A validated call's slot plan and RoPE positions.
+type Plan = (SlotPlan, Vec<Option<usize>>);
+
+/// The routed destination of a validated fused QKV (with its RoPE, if any).
+fn qkv_dest<'a, O: Element, C: Element>(
+    output: &'a mut [O],
+    kv: &'a mut KvWrite<'_, C>,
+    (plan, positions): &Plan,
+    (q_dim, n): (usize, usize),
+    rope: Option<&QkvRope<'_>>,
+    token: IsaToken,
+) -> QkvDest<'a, O, C> {
+    let shape = kv.cache.shape();
+    let rope = rope.map(|r| EpiRope::new(r, positions, token));
+    QkvDest::new(output, kv.cache.data_mut(), shape, kv.layer_idx, plan, q_dim, n, rope)
 }
 
 /// Runs a validated block-scaled call into the cache (nothing here can fail).
@@ -260,14 +289,14 @@ fn fp4_into_cache<O: Element, C: Element>(
     kv: &mut KvWrite<'_, C>,
     exec: Exec,
     token: IsaToken,
-    plan: &SlotPlan,
+    plan: &Plan,
 ) {
     let m = args.hidden_state.rows();
     if m == 0 {
         return;
     }
     let shape = kv.cache.shape();
-    let dest = QkvDest::new(output, kv.cache.data_mut(), shape, kv.layer_idx, plan, args.q_dim, args.weight.rows());
+    let dest = qkv_dest(output, kv, plan, (args.q_dim, args.weight.rows()), args.rope.as_ref(), token);
     run_fp4(args.hidden_state, args.weight, args.tensor_sf, &dest, exec, token, shape.head_size());
 }
 
@@ -331,7 +360,7 @@ pub fn matmul_fp4_packed<O: Element>(
 /// let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(4, 1, 8, 1, 16)?);
 /// let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0, 3], 1, &[5, 0])?, 0);
 /// let mut q = vec![bf16::ZERO; 3 * q_dim];
-/// let args = QkvRaggedArgs { hidden_state: &x, input_row_offsets: &[0, 2, 3], weight: &w, hidden_size: k, bias: None, q_dim };
+/// let args = QkvRaggedArgs { hidden_state: &x, input_row_offsets: &[0, 2, 3], weight: &w, hidden_size: k, bias: None, q_dim, rope: None };
 /// fast::qkv_ragged(&args, &mut q, &mut kv, Exec::default())?;
 /// # Ok(())
 /// # }
@@ -352,12 +381,29 @@ pub fn qkv_ragged<T: Element, O: Element, C: Element>(
         args.input_row_offsets,
         (n, k),
         args.bias.map(|b| b.len()),
-        args.q_dim,
+        (args.q_dim, args.rope.as_ref()),
         output.len(),
         kv,
     )?;
     let w = PackedPlainWeights::pack(args.weight, n, k, exec.parallel());
-    plain_into_cache(args.hidden_state, &w, args.bias, args.q_dim, output, kv, exec, token, &plan);
+    let pargs = QkvRaggedPackedArgs {
+        hidden_state: args.hidden_state,
+        input_row_offsets: args.input_row_offsets,
+        weight: &w,
+        bias: args.bias,
+        q_dim: args.q_dim,
+        rope: args.rope,
+    };
+    plain_into_cache(
+        args.hidden_state,
+        &w,
+        (pargs.bias, pargs.q_dim, pargs.rope.as_ref()),
+        output,
+        kv,
+        exec,
+        token,
+        &plan,
+    );
     Ok(())
 }
 
@@ -377,7 +423,7 @@ pub fn qkv_ragged<T: Element, O: Element, C: Element>(
 /// let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(4, 1, 8, 1, 16)?);
 /// let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[2], 1, &[7])?, 0);
 /// let mut q = vec![bf16::ZERO; q_dim];
-/// let args = QkvRaggedPackedArgs { hidden_state: &x, input_row_offsets: &[0, 1], weight: &packed, bias: Some(&bias), q_dim };
+/// let args = QkvRaggedPackedArgs { hidden_state: &x, input_row_offsets: &[0, 1], weight: &packed, bias: Some(&bias), q_dim, rope: None };
 /// fast::qkv_ragged_packed(&args, &mut q, &mut kv, Exec::default())?;
 /// # Ok(())
 /// # }
@@ -397,11 +443,11 @@ pub fn qkv_ragged_packed<T: Element, O: Element, C: Element>(
         args.input_row_offsets,
         (w.rows(), w.k()),
         args.bias.map(|b| b.len()),
-        args.q_dim,
+        (args.q_dim, args.rope.as_ref()),
         output.len(),
         kv,
     )?;
-    plain_into_cache(args.hidden_state, w, args.bias, args.q_dim, output, kv, exec, token, &plan);
+    plain_into_cache(args.hidden_state, w, (args.bias, args.q_dim, args.rope.as_ref()), output, kv, exec, token, &plan);
     Ok(())
 }
 
@@ -420,7 +466,7 @@ pub fn qkv_ragged_packed<T: Element, O: Element, C: Element>(
 /// let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(4, 1, 8, 1, 16)?);
 /// let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0, 1], 1, &[0, 2])?, 0);
 /// let mut q = vec![bf16::ZERO; 2 * seq * q_dim];
-/// let args = QkvBshdArgs { hidden_state: &x, batch: 2, seq_len: seq, hidden_size: k, weight: &w, valid_lengths: &[4, 1], q_dim };
+/// let args = QkvBshdArgs { hidden_state: &x, batch: 2, seq_len: seq, hidden_size: k, weight: &w, valid_lengths: &[4, 1], q_dim, rope: None };
 /// fast::qkv_bshd(&args, &mut q, &mut kv, Exec::default())?;
 /// # Ok(())
 /// # }
@@ -440,12 +486,12 @@ pub fn qkv_bshd<T: Element, O: Element, C: Element>(
         (args.batch, args.seq_len),
         (n, k),
         args.valid_lengths,
-        args.q_dim,
+        (args.q_dim, args.rope.as_ref()),
         output.len(),
         kv,
     )?;
     let w = PackedPlainWeights::pack(args.weight, n, k, exec.parallel());
-    plain_into_cache(args.hidden_state, &w, None, args.q_dim, output, kv, exec, token, &plan);
+    plain_into_cache(args.hidden_state, &w, (None, args.q_dim, args.rope.as_ref()), output, kv, exec, token, &plan);
     Ok(())
 }
 
@@ -464,11 +510,11 @@ pub fn qkv_bshd_packed<T: Element, O: Element, C: Element>(
         (args.batch, args.seq_len),
         (w.rows(), w.k()),
         args.valid_lengths,
-        args.q_dim,
+        (args.q_dim, args.rope.as_ref()),
         output.len(),
         kv,
     )?;
-    plain_into_cache(args.hidden_state, w, None, args.q_dim, output, kv, exec, token, &plan);
+    plain_into_cache(args.hidden_state, w, (None, args.q_dim, args.rope.as_ref()), output, kv, exec, token, &plan);
     Ok(())
 }
 
@@ -477,20 +523,19 @@ pub fn qkv_bshd_packed<T: Element, O: Element, C: Element>(
 fn plain_into_cache<T: Element, O: Element, C: Element>(
     x: &[T],
     w: &PackedPlainWeights<T>,
-    bias: Option<&[T]>,
-    q_dim: usize,
+    (bias, q_dim, rope): (Option<&[T]>, usize, Option<&QkvRope<'_>>),
     output: &mut [O],
     kv: &mut KvWrite<'_, C>,
     exec: Exec,
     token: IsaToken,
-    plan: &SlotPlan,
+    plan: &Plan,
 ) {
-    let m = plan.rows.len();
+    let m = plan.0.rows.len();
     if m == 0 {
         return;
     }
     let shape = kv.cache.shape();
-    let dest = QkvDest::new(output, kv.cache.data_mut(), shape, kv.layer_idx, plan, q_dim, w.rows());
+    let dest = qkv_dest(output, kv, plan, (q_dim, w.rows()), rope, token);
     run_plain(x, m, w, bias, &dest, exec, token, shape.head_size());
 }
 
@@ -535,4 +580,153 @@ pub fn matmul_plain_packed<T: Element, O: Element>(
     }
     run_plain(x, m, weight, bias, &MatrixDest::new(output, n), exec, token, 128);
     Ok(())
+}
+
+/// The fast [`reference::rope_bshd`](crate::reference::rope_bshd) (MAX's
+/// `fused_qk_rope_bshd_paged`): the same arguments and validation, bit for bit the same results in
+/// either math mode on every ISA; parallel over rows.
+///
+/// # Examples
+/// ```
+/// use paged_qkv::{CacheShape, Exec, KvWrite, PageTable, PagedKvCache, RopeBshdArgs, RopeMath, bf16, fast};
+///
+/// # fn main() -> paged_qkv::Result<()> {
+/// let (heads, d) = (2, 8);
+/// let freqs: Vec<bf16> = paged_qkv::freqs_cis(16, d, 10000.0).into_iter().map(bf16::from_f32).collect();
+/// let q = vec![bf16::ONE; 3 * heads * d]; // [batch 1, seq 3, heads, d]
+/// let mut out = vec![bf16::ZERO; q.len()];
+/// let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(2, 1, 4, 1, d)?);
+/// let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[1], 1, &[0])?, 0);
+/// let args = RopeBshdArgs {
+///     q_proj: &q,
+///     batch: 1,
+///     seq_len: 3,
+///     num_q_heads: heads,
+///     freqs_cis: &freqs,
+///     valid_lengths: &[2], // the third row is padding: its output is not written
+///     interleaved: true,
+/// };
+/// fast::rope_bshd(&args, &mut out, &mut kv, RopeMath::F32, Exec::default())?;
+/// assert_eq!(out[2 * heads * d], bf16::ZERO);
+/// # Ok(())
+/// # }
+/// ```
+#[doc(alias = "fused_qk_rope_bshd_paged")]
+pub fn rope_bshd<T: Element, C: Element>(
+    args: &RopeBshdArgs<'_, T>,
+    output: &mut [T],
+    kv: &mut KvWrite<'_, C>,
+    math: RopeMath,
+    exec: Exec,
+) -> Result<()> {
+    let token = IsaToken::new(exec.isa)?;
+    let (plan, positions) = validate_rope_bshd(args, output.len(), kv)?;
+    let shape = kv.cache.shape();
+    let d = shape.head_size();
+    let spec = RopeSpec {
+        freqs: args.freqs_cis,
+        rope_dim: d,
+        interleaved: args.interleaved,
+        math,
+        q_heads: (args.num_q_heads, d),
+        k_heads: (shape.num_kv_heads(), d),
+    };
+    let bases = slot_bases(&plan, &shape, kv.layer_idx, 0);
+    rope_rows(token, exec.parallel(), &spec, args.q_proj, output, kv.cache.data_mut(), &bases, &positions);
+    Ok(())
+}
+
+/// The fast [`reference::rope_ragged`](crate::reference::rope_ragged) (MAX's `fused_qk_rope_ragged`:
+/// partial rotary, position ids, MLA head sizes): the same arguments and validation, bit for bit
+/// the same results in either math mode on every ISA; parallel over rows.
+///
+/// # Examples
+/// ```
+/// use paged_qkv::{CacheShape, Exec, KvWrite, PageTable, PagedKvCache, RopeMath, RopeRaggedArgs, fast};
+///
+/// # fn main() -> paged_qkv::Result<()> {
+/// let freqs = paged_qkv::freqs_cis(64, 4, 10000.0); // rope_dim 4 of heads of 8
+/// let q = vec![1.0f32; 2 * 8]; // 2 tokens, 1 head of 8
+/// let mut out = vec![0.0f32; q.len()];
+/// let mut cache = PagedKvCache::<f32>::zeros(CacheShape::mha(2, 1, 4, 1, 8)?);
+/// let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0, 1], 1, &[0, 0])?, 0);
+/// let args = RopeRaggedArgs {
+///     q_proj: &q,
+///     input_row_offsets: &[0, 1, 2],
+///     num_q_heads: 1,
+///     q_head_size: 8,
+///     freqs_cis: &freqs,
+///     rope_dim: 4,
+///     position_ids: Some(&[7, 9]),
+///     interleaved: false,
+/// };
+/// fast::rope_ragged(&args, &mut out, &mut kv, RopeMath::F32, Exec::default())?;
+/// assert_eq!(out[4..8], [1.0; 4]); // the last 4 dims are not rotary: copied
+/// # Ok(())
+/// # }
+/// ```
+#[doc(alias = "fused_qk_rope_ragged")]
+pub fn rope_ragged<T: Element, F: Element, C: Element>(
+    args: &RopeRaggedArgs<'_, T, F>,
+    output: &mut [T],
+    kv: &mut KvWrite<'_, C>,
+    math: RopeMath,
+    exec: Exec,
+) -> Result<()> {
+    let token = IsaToken::new(exec.isa)?;
+    let (plan, positions) = validate_rope_ragged(args, output.len(), kv)?;
+    let shape = kv.cache.shape();
+    let spec = RopeSpec {
+        freqs: args.freqs_cis,
+        rope_dim: args.rope_dim,
+        interleaved: args.interleaved,
+        math,
+        q_heads: (args.num_q_heads, args.q_head_size),
+        k_heads: (shape.num_kv_heads(), shape.head_size()),
+    };
+    let bases = slot_bases(&plan, &shape, kv.layer_idx, 0);
+    rope_rows(token, exec.parallel(), &spec, args.q_proj, output, kv.cache.data_mut(), &bases, &positions);
+    Ok(())
+}
+
+/// The fast [`reference::kv_store_ragged`](crate::reference::kv_store_ragged) (MAX's
+/// `kv_cache_store_ragged`): the same validation and results; parallel over rows.
+#[doc(alias = "kv_cache_store_ragged")]
+pub fn kv_store_ragged<T: Element, C: Element>(
+    args: &KvStoreRaggedArgs<'_, T>,
+    kv: &mut KvWrite<'_, C>,
+    exec: Exec,
+) -> Result<()> {
+    let token = IsaToken::new(exec.isa)?;
+    let plan = validate_kv_store_ragged(args, kv)?;
+    store(token, exec, args.values, args.which, kv, &plan);
+    Ok(())
+}
+
+/// The fast [`reference::kv_store_bshd`](crate::reference::kv_store_bshd) (MAX's
+/// `kv_cache_store_padded`): the same validation and results; parallel over rows.
+#[doc(alias = "kv_cache_store_padded")]
+pub fn kv_store_bshd<T: Element, C: Element>(
+    args: &KvStoreBshdArgs<'_, T>,
+    kv: &mut KvWrite<'_, C>,
+    exec: Exec,
+) -> Result<()> {
+    let token = IsaToken::new(exec.isa)?;
+    let plan = validate_kv_store_bshd(args, kv)?;
+    store(token, exec, args.values, args.which, kv, &plan);
+    Ok(())
+}
+
+fn store<T: Element, C: Element>(
+    token: IsaToken,
+    exec: Exec,
+    values: &[T],
+    which: KvSel,
+    kv: &mut KvWrite<'_, C>,
+    plan: &SlotPlan,
+) {
+    let shape = kv.cache.shape();
+    let v_offset = shape.index(0, which as usize, 0, 0, 0, 0);
+    let bases = slot_bases(plan, &shape, kv.layer_idx, v_offset);
+    store_rows(token, exec.parallel(), values, kv.cache.data_mut(), &bases, shape.kv_width());
 }

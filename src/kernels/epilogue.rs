@@ -14,7 +14,9 @@ use super::operands::Operands;
 use super::scatter::SharedMut;
 use crate::cache::{CacheShape, SlotPlan};
 use crate::element::Element;
-use crate::simd::GROUP;
+use crate::ops::{Freqs, MAX_FUSED_HEAD, QkvRope, RopeMath};
+use crate::simd::rope::{RopeRow, Round, narrow, rotate, widen};
+use crate::simd::{GROUP, IsaToken};
 
 /// A destination of finished accumulators.
 pub(crate) trait Dest: Sync {
@@ -67,10 +69,109 @@ impl<O: Element> Dest for MatrixDest<'_, O> {
     }
     unsafe fn finish<S: Operands>(&self, src: &S, row: usize, c0: usize, accs: &[f32]) {
         let c1 = (c0 + accs.len()).min(self.n);
-        for (c, &acc) in (c0..c1).zip(accs) {
-            // SAFETY: (row, c) is in this call's range, which no concurrent call shares (the
-            // function's contract); `write` checks bounds.
-            unsafe { self.out.write(row * self.n + c, round::<S, O>(src, row, c, acc)) };
+        values::<S, O>(src, row, c0, (c0, c1), accs, None, |c, v| {
+            // SAFETY: (row, c ..) is in this call's range, which no concurrent call shares (the
+            // function's contract); `write_slice` checks bounds.
+            unsafe { self.out.write_slice(row * self.n + c, v) }
+        });
+    }
+}
+
+/// RoPE in the epilogue: per rotated row, its freqs row in the kernels' forms.
+pub(crate) struct EpiRope {
+    token: IsaToken,
+    /// Per row: the offset of its [`RopeRow`] forms in `table` (`None`: not rotated).
+    at: Vec<Option<usize>>,
+    table: Vec<f32>,
+    rope_dim: usize,
+    q_head: usize,
+    interleaved: bool,
+    round: Round,
+}
+
+impl EpiRope {
+    /// Tabulates the freqs rows of the rotated rows (`positions`, from validation).
+    pub fn new(rope: &QkvRope<'_>, positions: &[Option<usize>], token: IsaToken) -> Self {
+        let rd = rope.rope_dim;
+        let round = match (rope.math, rope.freqs_cis) {
+            (RopeMath::F32, _) | (_, Freqs::F32(_)) => Round::None,
+            (RopeMath::MaxCompat, Freqs::Bf16(_)) => Round::Bf16,
+            (RopeMath::MaxCompat, Freqs::F16(_)) => Round::F16,
+        };
+        let mut table = Vec::new();
+        let at = positions
+            .iter()
+            .map(|p| {
+                p.map(|p| {
+                    let o = table.len();
+                    table.resize(o + 3 * rd, 0.0);
+                    let dst = &mut table[o..];
+                    match rope.freqs_cis {
+                        Freqs::F32(f) => RopeRow::fill(&f[p * rd..(p + 1) * rd], dst),
+                        Freqs::Bf16(f) => RopeRow::fill(&f[p * rd..(p + 1) * rd], dst),
+                        Freqs::F16(f) => RopeRow::fill(&f[p * rd..(p + 1) * rd], dst),
+                    }
+                    o
+                })
+            })
+            .collect();
+        EpiRope { token, at, table, rope_dim: rd, q_head: rope.q_head_size, interleaved: rope.interleaved, round }
+    }
+
+    /// Rotates the rotary region of one head (its values rounded to their destination type).
+    fn rotate<D: Element>(&self, row: usize, head: &mut [D]) {
+        let Some(o) = self.at[row] else { return };
+        let rd = self.rope_dim;
+        let forms = RopeRow::view(&self.table[o..o + 3 * rd], rd);
+        let at = if self.interleaved { head.len() - rd } else { 0 };
+        let mut x = [0f32; MAX_FUSED_HEAD];
+        let x = &mut x[..rd];
+        widen(self.token, &head[at..at + rd], x);
+        rotate(self.token, x, &forms, self.interleaved, self.round);
+        narrow(self.token, x, &mut head[at..at + rd]);
+    }
+}
+
+/// Values of one destination's columns `a .. b` of `row` (`accs` starts at column `c0`), in chunks
+/// of `head` columns (whole heads, rotated when `rope` says so) or up to 256, each handed to
+/// `write(first column, values)`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn values<S: Operands, D: Element>(
+    src: &S,
+    row: usize,
+    c0: usize,
+    (a, b): (usize, usize),
+    accs: &[f32],
+    rope: Option<(&EpiRope, usize)>,
+    mut write: impl FnMut(usize, &[D]),
+) {
+    const CHUNK: usize = 256;
+    let fill = |vals: &mut [D], c: usize| {
+        for (j, v) in vals.iter_mut().enumerate() {
+            *v = round::<S, D>(src, row, c + j, accs[c + j - c0]);
+        }
+    };
+    let mut c = a;
+    match rope {
+        None => {
+            let mut buf = [D::default(); CHUNK];
+            while c < b {
+                let vals = &mut buf[..CHUNK.min(b - c)];
+                fill(vals, c);
+                write(c, vals);
+                c += vals.len();
+            }
+        }
+        Some((r, head)) => {
+            let mut buf = [D::default(); MAX_FUSED_HEAD];
+            while c < b {
+                let vals = &mut buf[..head];
+                fill(vals, c);
+                r.rotate(row, vals);
+                write(c, vals);
+                c += head;
+            }
         }
     }
 }
@@ -87,9 +188,13 @@ pub(crate) struct QkvDest<'a, O, C> {
     slot_base: Vec<Option<usize>>,
     /// The rows with a slot, when not all rows have one.
     kv_rows: Option<Vec<usize>>,
+    /// Head sizes (Q, K/V) and `num_kv_heads · head_size`.
+    heads: (usize, usize, usize),
+    rope: Option<EpiRope>,
 }
 
 impl<'a, O: Element, C: Element> QkvDest<'a, O, C> {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         output: &'a mut [O],
         cache: &'a mut [C],
@@ -98,6 +203,7 @@ impl<'a, O: Element, C: Element> QkvDest<'a, O, C> {
         plan: &SlotPlan,
         q_dim: usize,
         n: usize,
+        rope: Option<EpiRope>,
     ) -> Self {
         let col_off = (0..n - q_dim).map(|j| shape.kv_column_offset(j)).collect();
         let slot_base: Vec<Option<usize>> =
@@ -106,7 +212,18 @@ impl<'a, O: Element, C: Element> QkvDest<'a, O, C> {
             .iter()
             .any(Option::is_none)
             .then(|| slot_base.iter().enumerate().filter_map(|(r, s)| s.map(|_| r)).collect());
-        QkvDest { out: SharedMut::new(output), cache: SharedMut::new(cache), q_dim, n, col_off, slot_base, kv_rows }
+        let q_head = rope.as_ref().map_or(shape.head_size(), |r| r.q_head);
+        QkvDest {
+            out: SharedMut::new(output),
+            cache: SharedMut::new(cache),
+            q_dim,
+            n,
+            col_off,
+            slot_base,
+            kv_rows,
+            heads: (q_head, shape.head_size(), shape.kv_width()),
+            rope,
+        }
     }
 }
 
@@ -118,21 +235,33 @@ impl<O: Element, C: Element> Dest for QkvDest<'_, O, C> {
         c0 >= self.q_dim && self.kv_rows.is_some()
     }
     fn may_cut(&self, c: usize) -> bool {
+        // With RoPE, panels hold whole heads: Q heads below q_dim, K/V heads from it.
+        let (dq, dk, _) = self.heads;
         c.is_multiple_of(GROUP)
+            && (self.rope.is_none()
+                || (c <= self.q_dim && c.is_multiple_of(dq))
+                || (c >= self.q_dim && (c - self.q_dim).is_multiple_of(dk)))
     }
     unsafe fn finish<S: Operands>(&self, src: &S, row: usize, c0: usize, accs: &[f32]) {
         let c1 = (c0 + accs.len()).min(self.n);
         let qe = c1.min(self.q_dim).max(c0);
-        for (c, &acc) in (c0..qe).zip(accs) {
-            // SAFETY: (row, c) is in this call's range, which no concurrent call shares (the
-            // function's contract); `write` checks bounds.
-            unsafe { self.out.write(row * self.q_dim + c, round::<S, O>(src, row, c, acc)) };
-        }
+        let (dq, dk, kvw) = self.heads;
+        let rot = |head: usize| self.rope.as_ref().map(|r| (r, head));
+        values::<S, O>(src, row, c0, (c0, qe), accs, rot(dq), |c, v| {
+            // SAFETY: (row, c ..) is in this call's range, which no concurrent call shares (the
+            // function's contract); `write_slice` checks bounds.
+            unsafe { self.out.write_slice(row * self.q_dim + c, v) }
+        });
         let Some(base) = self.slot_base[row] else { return };
-        for (c, &acc) in (qe..c1).zip(&accs[qe - c0..]) {
-            // SAFETY: the slot of `row` is written by no other row (the slot plan, the
-            // contract), and this column of it by no other call (the contract).
-            unsafe { self.cache.write(base + self.col_off[c - self.q_dim], round::<S, C>(src, row, c, acc)) };
+        // K heads (rotated with RoPE), then V heads: each band is contiguous in the slot.
+        let ke = c1.min(self.q_dim + kvw).max(qe);
+        let bands = [((qe, ke), rot(dk)), ((ke, c1), None)];
+        for ((a, b), r) in bands {
+            values::<S, C>(src, row, c0, (a, b), accs, r, |c, v| {
+                // SAFETY: the slot of `row` is written by no other row (the slot plan, the
+                // contract), and these columns of it by no other call (the contract).
+                unsafe { self.cache.write_slice(base + self.col_off[c - self.q_dim], v) }
+            });
         }
     }
 }

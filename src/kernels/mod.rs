@@ -19,6 +19,7 @@
 pub(crate) mod epilogue;
 pub(crate) mod operands;
 pub(crate) mod pack;
+pub(crate) mod rope;
 pub(crate) mod scatter;
 pub(crate) mod schedule;
 

@@ -13,9 +13,9 @@ pub(crate) struct SharedMut<'a, T> {
 }
 
 // SAFETY: SharedMut only hands out writes of `T: Send` values at indices the caller promises
-// are written by one thread each (see `write`); it never reads.
+// are written by one thread each (see `write_slice`); it never reads.
 unsafe impl<T: Send> Send for SharedMut<'_, T> {}
-// SAFETY: as above; `&SharedMut` permits only `write`.
+// SAFETY: as above; `&SharedMut` permits only `write_slice`.
 unsafe impl<T: Send> Sync for SharedMut<'_, T> {}
 
 impl<'a, T> SharedMut<'a, T> {
@@ -23,15 +23,20 @@ impl<'a, T> SharedMut<'a, T> {
         SharedMut { ptr: slice.as_mut_ptr(), len: slice.len(), _life: PhantomData }
     }
 
-    /// Writes `v` at `i`. Bounds are checked (a bug panics, never writes out of bounds).
+    /// Writes `v` at `i .. i + v.len()`. Bounds are checked (a bug panics, never writes out of
+    /// bounds).
     ///
     /// # Safety
-    /// No other thread may read or write index `i` during the lifetime of this `SharedMut`.
+    /// No other thread may read or write those indices during the lifetime of this `SharedMut`.
     #[inline]
-    pub unsafe fn write(&self, i: usize, v: T) {
-        assert!(i < self.len, "scatter index {i} out of bounds ({})", self.len);
-        // SAFETY: in bounds (checked above), the slice is exclusively borrowed for 'a, and the
-        // caller guarantees no concurrent access to index i.
-        unsafe { self.ptr.add(i).write(v) }
+    pub unsafe fn write_slice(&self, i: usize, v: &[T])
+    where
+        T: Copy,
+    {
+        assert!(i <= self.len && v.len() <= self.len - i, "scatter range {i}+{} out of bounds ({})", v.len(), self.len);
+        // SAFETY: in bounds (checked above), the slice is exclusively borrowed for 'a, `v` is a
+        // distinct borrow (it cannot alias the exclusive one), and the caller guarantees no
+        // concurrent access to these indices.
+        unsafe { self.ptr.add(i).copy_from_nonoverlapping(v.as_ptr(), v.len()) }
     }
 }

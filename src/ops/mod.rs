@@ -34,6 +34,71 @@ pub enum RopeMath {
     MaxCompat,
 }
 
+/// A `freqs_cis` table of one of the element types RoPE accepts (f32, or the q dtype bf16/f16).
+#[derive(Debug, Clone, Copy)]
+pub enum Freqs<'a> {
+    /// f32 (the math is f32 in both modes).
+    F32(&'a [f32]),
+    /// bf16 (`MaxCompat` rounds to bf16).
+    Bf16(&'a [half::bf16]),
+    /// f16 (`MaxCompat` rounds to f16).
+    F16(&'a [half::f16]),
+}
+
+impl Freqs<'_> {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Freqs::F32(f) => f.len(),
+            Freqs::Bf16(f) => f.len(),
+            Freqs::F16(f) => f.len(),
+        }
+    }
+    /// Whether the table is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl<'a> From<&'a [f32]> for Freqs<'a> {
+    fn from(f: &'a [f32]) -> Self {
+        Freqs::F32(f)
+    }
+}
+impl<'a> From<&'a [half::bf16]> for Freqs<'a> {
+    fn from(f: &'a [half::bf16]) -> Self {
+        Freqs::Bf16(f)
+    }
+}
+impl<'a> From<&'a [half::f16]> for Freqs<'a> {
+    fn from(f: &'a [half::f16]) -> Self {
+        Freqs::F16(f)
+    }
+}
+
+/// RoPE fused into a fused QKV operation ([semantics §5](crate::semantics)): Q and the new K are
+/// rotated before they are written, with the arguments of
+/// [`rope_ragged`](crate::reference::rope_ragged) (the Q heads are the output's `q_dim` columns in
+/// heads of `q_head_size`; K uses the cache's head size). The result is bit-identical to the QKV
+/// operation followed by the standalone RoPE in the same math mode. With the BSHD operation the
+/// rotation covers whole heads (`rope_dim` = both head sizes), rows `t < valid_lengths[b]` only, and
+/// no `position_ids`, as [`rope_bshd`](crate::reference::rope_bshd).
+#[derive(Debug, Clone, Copy)]
+pub struct QkvRope<'a> {
+    /// `[rows, rope_dim]`: row `p` is `cos(p θ_0), sin(p θ_0), cos(p θ_1), …`.
+    pub freqs_cis: Freqs<'a>,
+    /// Q head size: `q_dim` is a whole number of Q heads.
+    pub q_head_size: usize,
+    /// Rotary dimensions (even, ≥ 2, ≤ both head sizes).
+    pub rope_dim: usize,
+    /// Pairs `(2i, 2i+1)` when true, `(i, i + rope_dim/2)` when false.
+    pub interleaved: bool,
+    /// Optional `[M]` positions selecting the freqs row (ragged operations only).
+    pub position_ids: Option<&'a [u32]>,
+    /// How the rotation rounds.
+    pub math: RopeMath,
+}
+
 /// Arguments of [`qkv_fp4_ragged`](crate::reference::qkv_fp4_ragged)
 /// (MAX: `fused_qkv_matmul_kv_cache_paged_ragged_scale_float4`).
 #[derive(Debug, Clone, Copy)]
@@ -48,6 +113,8 @@ pub struct QkvFp4Args<'a> {
     pub tensor_sf: f32,
     /// Columns routed to `output` (`output.dim(1)` in MAX).
     pub q_dim: usize,
+    /// RoPE on Q and the new K in the epilogue (`None`: no rotation).
+    pub rope: Option<QkvRope<'a>>,
 }
 
 /// Arguments of [`qkv_ragged`](crate::reference::qkv_ragged)
@@ -66,6 +133,8 @@ pub struct QkvRaggedArgs<'a, T> {
     pub bias: Option<&'a [T]>,
     /// Columns routed to `output`.
     pub q_dim: usize,
+    /// RoPE on Q and the new K in the epilogue (`None`: no rotation).
+    pub rope: Option<QkvRope<'a>>,
 }
 
 /// Arguments of [`qkv_bshd`](crate::reference::qkv_bshd)
@@ -86,6 +155,8 @@ pub struct QkvBshdArgs<'a, T> {
     pub valid_lengths: &'a [u32],
     /// Columns routed to `output` (`[batch, seq_len, q_dim]`).
     pub q_dim: usize,
+    /// RoPE on Q and the new K in the epilogue (`None`: no rotation).
+    pub rope: Option<QkvRope<'a>>,
 }
 
 /// Arguments of [`rope_bshd`](crate::reference::rope_bshd)
@@ -180,6 +251,205 @@ pub fn freqs_cis(rows: usize, dim: usize, theta: f64) -> Vec<f32> {
         }
     }
     f
+}
+
+/// A validated RoPE: per row the freqs row of its position (`None`: the row is not rotated).
+pub(crate) type Positions = Vec<Option<usize>>;
+
+fn check_freqs_row(position: u64, rows: usize) -> Result<usize> {
+    if position < rows as u64 { Ok(position as usize) } else { Err(Error::FreqsRows { position, rows }) }
+}
+
+/// Checks `rope_dim` against both head sizes.
+fn check_rope_dim(rd: usize, dq: usize, dk: usize) -> Result<()> {
+    if rd == 0 || !rd.is_multiple_of(2) || rd > dq || rd > dk {
+        return Err(Error::dim(
+            "rope_dim",
+            format!("must be even, ≥ 2 and ≤ both head sizes (q {dq}, k {dk}), found {rd}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Validates [`rope_bshd`](crate::reference::rope_bshd)'s arguments (all of them, before anything
+/// is written) and returns its slot plan and positions.
+pub(crate) fn validate_rope_bshd<T: Element, C: Element>(
+    args: &RopeBshdArgs<'_, T>,
+    output_len: usize,
+    kv: &KvWrite<'_, C>,
+) -> Result<(SlotPlan, Positions)> {
+    let shape = kv.cache.shape();
+    let d = shape.head_size();
+    if !d.is_multiple_of(2) {
+        return Err(Error::dim("kv_blocks", format!("head_size must be even for RoPE pairs, found {d}")));
+    }
+    let (batch, s, hq) = (args.batch, args.seq_len, args.num_q_heads);
+    if hq == 0 {
+        // Zero heads would let any (batch, seq_len) pass with an empty q_proj.
+        return Err(Error::dim("num_q_heads", "must be at least 1"));
+    }
+    check_tensor("q_proj", args.q_proj.len(), &[batch, s, hq, d])?;
+    check_tensor("output", output_len, &[batch, s, hq, d])?;
+    check_valid_lengths(args.valid_lengths, batch, s)?;
+    check_table_batch(&kv.page_table, batch)?;
+    let rows = freqs_rows(args.freqs_cis, d)?;
+    for (b, &v) in args.valid_lengths.iter().enumerate() {
+        if v > 0 {
+            check_freqs_row(kv.page_table.cache_length(b) as u64 + v as u64 - 1, rows)?;
+        }
+    }
+    let writes = padded_rows(args.valid_lengths, s);
+    let plan = SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)?;
+    let positions = plan.rows.iter().map(|s| s.map(|s| s.pos as usize)).collect();
+    Ok((plan, positions))
+}
+
+/// Validates [`rope_ragged`](crate::reference::rope_ragged)'s arguments and returns its slot plan
+/// and positions.
+pub(crate) fn validate_rope_ragged<T: Element, F: Element, C: Element>(
+    args: &RopeRaggedArgs<'_, T, F>,
+    output_len: usize,
+    kv: &KvWrite<'_, C>,
+) -> Result<(SlotPlan, Positions)> {
+    let shape = kv.cache.shape();
+    let (hq, dq, dk, rd) = (args.num_q_heads, args.q_head_size, shape.head_size(), args.rope_dim);
+    if hq == 0 {
+        return Err(Error::dim("num_q_heads", "must be at least 1"));
+    }
+    check_rope_dim(rd, dq, dk)?;
+    let m = args.input_row_offsets.last().map_or(0, |&x| x as usize);
+    check_tensor("q_proj", args.q_proj.len(), &[m, hq, dq])?;
+    check_tensor("output", output_len, &[m, hq, dq])?;
+    let rows = ragged_rows(args.input_row_offsets, m)?;
+    check_table_batch(&kv.page_table, args.input_row_offsets.len() - 1)?;
+    if F::DTYPE == crate::DType::F8E4M3 {
+        return Err(Error::Unsupported { what: "E4M3 freqs_cis (use f32, bf16 or f16)".into() });
+    }
+    let freq_rows = freqs_rows(args.freqs_cis, rd)?;
+    let positions = ragged_positions(&rows, args.position_ids, kv.page_table.cache_lengths(), freq_rows)?;
+    let writes: Vec<_> = rows.iter().map(|&(b, t)| (b, t, true)).collect();
+    let plan = SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)?;
+    Ok((plan, positions.into_iter().map(Some).collect()))
+}
+
+/// The freqs row of every row of a ragged batch: `position_ids[i]`, or `cache_lengths[b] + t`.
+fn ragged_positions(
+    rows: &[(usize, usize)],
+    ids: Option<&[u32]>,
+    cache_lengths: &[u32],
+    freq_rows: usize,
+) -> Result<Vec<usize>> {
+    if let Some(ids) = ids {
+        check_tensor("position_ids", ids.len(), &[rows.len()])?;
+    }
+    rows.iter()
+        .enumerate()
+        .map(|(i, &(b, t))| {
+            let p = match ids {
+                Some(ids) => ids[i] as u64,
+                None => cache_lengths[b] as u64 + t as u64,
+            };
+            check_freqs_row(p, freq_rows)
+        })
+        .collect()
+}
+
+/// Validates a fused QKV's RoPE against the call's other (validated) arguments and returns the
+/// freqs row of every rotated row. `bshd`: the padded operation (whole heads, rows with a slot).
+pub(crate) fn validate_qkv_rope(
+    rope: &QkvRope<'_>,
+    q_dim: usize,
+    n: usize,
+    shape: &CacheShape,
+    plan: &SlotPlan,
+    rows: Option<&[(usize, usize)]>,
+    cache_lengths: &[u32],
+) -> Result<Positions> {
+    let (dq, dk, rd) = (rope.q_head_size, shape.head_size(), rope.rope_dim);
+    if dq == 0 || !q_dim.is_multiple_of(dq) {
+        return Err(Error::dim("rope.q_head_size", format!("must divide q_dim {q_dim}, found {dq}")));
+    }
+    if dq > MAX_FUSED_HEAD || dk > MAX_FUSED_HEAD {
+        return Err(Error::Unsupported { what: format!("fused RoPE on heads over {MAX_FUSED_HEAD} dims") });
+    }
+    check_rope_dim(rd, dq, dk)?;
+    if shape.is_mla() && n - q_dim != dk {
+        return Err(Error::Unsupported {
+            what: format!("fused RoPE on an MLA cache needs the whole K head written (N − q_dim = {dk})"),
+        });
+    }
+    let freq_rows = if rope.freqs_cis.len().is_multiple_of(rd) {
+        rope.freqs_cis.len() / rd
+    } else {
+        return Err(Error::Shape { arg: "freqs_cis", expected: Expected::RowsOf(rd), found: rope.freqs_cis.len() });
+    };
+    match rows {
+        Some(rows) => {
+            let p = ragged_positions(rows, rope.position_ids, cache_lengths, freq_rows)?;
+            Ok(p.into_iter().map(Some).collect())
+        }
+        None => {
+            if rope.position_ids.is_some() {
+                return Err(Error::Unsupported { what: "position_ids with the BSHD fused QKV".into() });
+            }
+            if rd != dk || dq != dk {
+                return Err(Error::dim(
+                    "rope_dim",
+                    format!(
+                        "the BSHD RoPE rotates whole heads: rope_dim and q_head_size must be {dk}, found {rd} and {dq}"
+                    ),
+                ));
+            }
+            plan.rows.iter().map(|s| s.map(|s| check_freqs_row(s.pos as u64, freq_rows)).transpose()).collect()
+        }
+    }
+}
+
+/// Largest head (in dims) the fused-RoPE epilogue rotates.
+pub(crate) const MAX_FUSED_HEAD: usize = 1024;
+
+/// Validates a KV store's arguments (`rows` of the call, the stored values' length) and returns
+/// its slot plan.
+pub(crate) fn validate_kv_store<C: Element>(
+    which: KvSel,
+    values_len: usize,
+    dims: &[usize],
+    rows: Result<Vec<(usize, usize, bool)>>,
+    batch: usize,
+    kv: &KvWrite<'_, C>,
+) -> Result<SlotPlan> {
+    let shape = kv.cache.shape();
+    if which == KvSel::V && shape.is_mla() {
+        return Err(Error::Unsupported { what: "storing V into an MLA (K-only) cache".into() });
+    }
+    check_tensor("values", values_len, dims)?;
+    let rows = rows?;
+    check_table_batch(&kv.page_table, batch)?;
+    SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &rows)
+}
+
+/// Validates [`kv_store_ragged`](crate::reference::kv_store_ragged)'s arguments.
+pub(crate) fn validate_kv_store_ragged<T: Element, C: Element>(
+    args: &KvStoreRaggedArgs<'_, T>,
+    kv: &KvWrite<'_, C>,
+) -> Result<SlotPlan> {
+    let shape = kv.cache.shape();
+    let m = args.input_row_offsets.last().map_or(0, |&x| x as usize);
+    let rows = ragged_rows(args.input_row_offsets, m).map(|r| r.into_iter().map(|(b, t)| (b, t, true)).collect());
+    let dims = [m, shape.num_kv_heads(), shape.head_size()];
+    validate_kv_store(args.which, args.values.len(), &dims, rows, args.input_row_offsets.len().max(1) - 1, kv)
+}
+
+/// Validates [`kv_store_bshd`](crate::reference::kv_store_bshd)'s arguments.
+pub(crate) fn validate_kv_store_bshd<T: Element, C: Element>(
+    args: &KvStoreBshdArgs<'_, T>,
+    kv: &KvWrite<'_, C>,
+) -> Result<SlotPlan> {
+    let shape = kv.cache.shape();
+    let (batch, s) = (args.batch, args.seq_len);
+    let rows = check_valid_lengths(args.valid_lengths, batch, s).map(|_| padded_rows(args.valid_lengths, s));
+    let dims = [batch, s, shape.num_kv_heads(), shape.head_size()];
+    validate_kv_store(args.which, args.values.len(), &dims, rows, batch, kv)
 }
 
 /// `(batch, t)` of every row of a ragged batch, after checking `input_row_offsets`: at least one
@@ -280,10 +550,10 @@ pub(crate) fn validate_qkv_ragged<C: Element>(
     input_row_offsets: &[u32],
     (n, k): (usize, usize),
     bias_len: Option<usize>,
-    q_dim: usize,
+    (q_dim, rope): (usize, Option<&QkvRope<'_>>),
     output_len: usize,
     kv: &KvWrite<'_, C>,
-) -> Result<SlotPlan> {
+) -> Result<(SlotPlan, Positions)> {
     let m = input_row_offsets.last().map_or(0, |&x| x as usize);
     check_tensor("hidden_state", hidden_len, &[m, k])?;
     let rows = ragged_rows(input_row_offsets, m)?;
@@ -295,7 +565,12 @@ pub(crate) fn validate_qkv_ragged<C: Element>(
     }
     check_tensor("output", output_len, &[m, q_dim])?;
     let writes: Vec<_> = rows.iter().map(|&(b, t)| (b, t, true)).collect();
-    SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)
+    let plan = SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)?;
+    let positions = match rope {
+        Some(r) => validate_qkv_rope(r, q_dim, n, &shape, &plan, Some(&rows), kv.page_table.cache_lengths())?,
+        None => Vec::new(),
+    };
+    Ok((plan, positions))
 }
 
 /// Validates a padded (BSHD) fused QKV call (`weight` is `[n, k]`, already checked) and returns
@@ -306,10 +581,10 @@ pub(crate) fn validate_qkv_bshd<C: Element>(
     (batch, seq_len): (usize, usize),
     (n, k): (usize, usize),
     valid_lengths: &[u32],
-    q_dim: usize,
+    (q_dim, rope): (usize, Option<&QkvRope<'_>>),
     output_len: usize,
     kv: &KvWrite<'_, C>,
-) -> Result<SlotPlan> {
+) -> Result<(SlotPlan, Positions)> {
     let shape = kv.cache.shape();
     if shape.is_mla() {
         return Err(Error::Unsupported { what: "the BSHD fused QKV needs a K and V cache (MLA has no V)".into() });
@@ -320,7 +595,12 @@ pub(crate) fn validate_qkv_bshd<C: Element>(
     check_split(n, q_dim, &shape)?;
     check_tensor("output", output_len, &[batch, seq_len, q_dim])?;
     let writes = padded_rows(valid_lengths, seq_len);
-    SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)
+    let plan = SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)?;
+    let positions = match rope {
+        Some(r) => validate_qkv_rope(r, q_dim, n, &shape, &plan, None, kv.page_table.cache_lengths())?,
+        None => Vec::new(),
+    };
+    Ok((plan, positions))
 }
 
 /// `(b, t, t < valid_lengths[b])` for every row of a padded batch.
@@ -340,10 +620,10 @@ pub(crate) fn validate_fp4<C: Element>(
     input_row_offsets: &[u32],
     weight: (BlockFormat, usize, usize),
     tensor_sf: f32,
-    q_dim: usize,
+    (q_dim, rope): (usize, Option<&QkvRope<'_>>),
     output_len: usize,
     kv: &KvWrite<'_, C>,
-) -> Result<SlotPlan> {
+) -> Result<(SlotPlan, Positions)> {
     let (w_format, n, w_k) = weight;
     if a.format() != w_format || a.k() != w_k {
         return Err(Error::FormatMismatch {
@@ -363,5 +643,10 @@ pub(crate) fn validate_fp4<C: Element>(
     check_split(n, q_dim, &shape)?;
     check_tensor("output", output_len, &[m, q_dim])?;
     let writes: Vec<_> = rows.iter().map(|&(b, t)| (b, t, true)).collect();
-    SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)
+    let plan = SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)?;
+    let positions = match rope {
+        Some(r) => validate_qkv_rope(r, q_dim, n, &shape, &plan, Some(&rows), kv.page_table.cache_lengths())?,
+        None => Vec::new(),
+    };
+    Ok((plan, positions))
 }

@@ -10,13 +10,13 @@ pub(crate) mod exact;
 
 use crate::cache::{KvSel, KvWrite, PagedKvCacheMut, SlotPlan};
 use crate::element::Element;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::formats::fp8::{e4m3_to_units, e8m0_to_f32};
 use crate::formats::{BlockFormat, QuantizedRef, fp4};
 use crate::ops::{
-    Accumulation, KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, RopeBshdArgs, RopeMath,
-    RopeRaggedArgs, check_table_batch, check_tensor, check_valid_lengths, freqs_rows, padded_rows, ragged_rows,
-    validate_fp4, validate_qkv_bshd, validate_qkv_ragged, weight_rows,
+    Accumulation, Freqs, KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, QkvRope,
+    RopeBshdArgs, RopeMath, RopeRaggedArgs, validate_fp4, validate_kv_store_bshd, validate_kv_store_ragged,
+    validate_qkv_bshd, validate_qkv_ragged, validate_rope_bshd, validate_rope_ragged, weight_rows,
 };
 use exact::{ExactSum, f32_parts};
 
@@ -36,12 +36,12 @@ pub fn qkv_fp4_ragged<O: Element, C: Element>(
     mode: Accumulation,
 ) -> Result<()> {
     let (a, w) = (args.hidden_state, args.weight);
-    let plan = validate_fp4(
+    let (plan, positions) = validate_fp4(
         a,
         args.input_row_offsets,
         (w.format(), w.rows(), w.k()),
         args.tensor_sf,
-        args.q_dim,
+        (args.q_dim, args.rope.as_ref()),
         output.len(),
         kv,
     )?;
@@ -61,6 +61,7 @@ pub fn qkv_fp4_ragged<O: Element, C: Element>(
             }
         }),
     }
+    fused_rope(args.rope.as_ref(), &positions, args.q_dim, output, kv, &plan);
     Ok(())
 }
 
@@ -77,18 +78,19 @@ pub fn qkv_ragged<T: Element, O: Element, C: Element>(
 ) -> Result<()> {
     let k = args.hidden_size;
     let n = weight_rows(args.weight, k)?;
-    let plan = validate_qkv_ragged(
+    let (plan, positions) = validate_qkv_ragged(
         args.hidden_state.len(),
         args.input_row_offsets,
         (n, k),
         args.bias.map(|b| b.len()),
-        args.q_dim,
+        (args.q_dim, args.rope.as_ref()),
         output.len(),
         kv,
     )?;
     route(n, args.q_dim, output, kv, &plan, |r, vals| {
         plain_row(&args.hidden_state[r * k..(r + 1) * k], args.weight, args.bias, k, mode, vals)
     });
+    fused_rope(args.rope.as_ref(), &positions, args.q_dim, output, kv, &plan);
     Ok(())
 }
 
@@ -108,18 +110,19 @@ pub fn qkv_bshd<T: Element, O: Element, C: Element>(
 ) -> Result<()> {
     let k = args.hidden_size;
     let n = weight_rows(args.weight, k)?;
-    let plan = validate_qkv_bshd(
+    let (plan, positions) = validate_qkv_bshd(
         args.hidden_state.len(),
         (args.batch, args.seq_len),
         (n, k),
         args.valid_lengths,
-        args.q_dim,
+        (args.q_dim, args.rope.as_ref()),
         output.len(),
         kv,
     )?;
     route(n, args.q_dim, output, kv, &plan, |r, vals| {
         plain_row(&args.hidden_state[r * k..(r + 1) * k], args.weight, None, k, mode, vals)
     });
+    fused_rope(args.rope.as_ref(), &positions, args.q_dim, output, kv, &plan);
     Ok(())
 }
 
@@ -136,33 +139,13 @@ pub fn rope_bshd<T: Element, C: Element>(
     kv: &mut KvWrite<'_, C>,
     math: RopeMath,
 ) -> Result<()> {
-    let shape = kv.cache.shape();
-    let d = shape.head_size();
-    if !d.is_multiple_of(2) {
-        return Err(Error::dim("kv_blocks", format!("head_size must be even for RoPE pairs, found {d}")));
-    }
-    let (batch, s, hq) = (args.batch, args.seq_len, args.num_q_heads);
-    if hq == 0 {
-        // Zero heads would let any (batch, seq_len) pass with an empty q_proj.
-        return Err(Error::dim("num_q_heads", "must be at least 1"));
-    }
-    check_tensor("q_proj", args.q_proj.len(), &[batch, s, hq, d])?;
-    check_tensor("output", output.len(), &[batch, s, hq, d])?;
-    check_valid_lengths(args.valid_lengths, batch, s)?;
-    check_table_batch(&kv.page_table, batch)?;
-    let rows = freqs_rows(args.freqs_cis, d)?;
-    for (b, &v) in args.valid_lengths.iter().enumerate() {
-        if v > 0 {
-            check_freqs_row(kv.page_table.cache_length(b) as u64 + v as u64 - 1, rows)?;
-        }
-    }
-    let writes = padded_rows(args.valid_lengths, s);
-    let plan = SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)?;
-
+    let (plan, positions) = validate_rope_bshd(args, output.len(), kv)?;
+    let d = kv.cache.shape().head_size();
+    let hq = args.num_q_heads;
     let pairs = rope_pairs(d, d, args.interleaved);
     for (r, slot) in plan.rows.iter().enumerate() {
-        let Some(slot) = slot else { continue };
-        let f = &args.freqs_cis[slot.pos as usize * d..][..d];
+        let (Some(slot), Some(p)) = (slot, positions[r]) else { continue };
+        let f = &args.freqs_cis[p * d..][..d];
         for h in 0..hq {
             let base = (r * hq + h) * d;
             rotate(&args.q_proj[base..base + d], &mut output[base..base + d], f, &pairs, math);
@@ -185,44 +168,13 @@ pub fn rope_ragged<T: Element, F: Element, C: Element>(
     kv: &mut KvWrite<'_, C>,
     math: RopeMath,
 ) -> Result<()> {
-    let shape = kv.cache.shape();
-    let (hq, dq, dk, rd) = (args.num_q_heads, args.q_head_size, shape.head_size(), args.rope_dim);
-    if hq == 0 {
-        return Err(Error::dim("num_q_heads", "must be at least 1"));
-    }
-    if rd == 0 || rd % 2 != 0 || rd > dq || rd > dk {
-        return Err(Error::dim(
-            "rope_dim",
-            format!("must be even, ≥ 2 and ≤ both head sizes (q {dq}, k {dk}), found {rd}"),
-        ));
-    }
-    let m = args.input_row_offsets.last().map_or(0, |&x| x as usize);
-    check_tensor("q_proj", args.q_proj.len(), &[m, hq, dq])?;
-    check_tensor("output", output.len(), &[m, hq, dq])?;
-    let rows = ragged_rows(args.input_row_offsets, m)?;
-    check_table_batch(&kv.page_table, args.input_row_offsets.len() - 1)?;
-    let freq_rows = freqs_rows(args.freqs_cis, rd)?;
-    if let Some(ids) = args.position_ids {
-        check_tensor("position_ids", ids.len(), &[m])?;
-    }
-    let position = |i: usize, b: usize, t: usize| -> u64 {
-        match args.position_ids {
-            Some(ids) => ids[i] as u64,
-            None => kv.page_table.cache_length(b) as u64 + t as u64,
-        }
-    };
-    for (i, &(b, t)) in rows.iter().enumerate() {
-        check_freqs_row(position(i, b, t), freq_rows)?;
-    }
-    let positions: Vec<u64> = rows.iter().enumerate().map(|(i, &(b, t))| position(i, b, t)).collect();
-    let writes: Vec<_> = rows.iter().map(|&(b, t)| (b, t, true)).collect();
-    let plan = SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)?;
-
+    let (plan, positions) = validate_rope_ragged(args, output.len(), kv)?;
+    let (hq, dq, dk, rd) = (args.num_q_heads, args.q_head_size, kv.cache.shape().head_size(), args.rope_dim);
     let q_pairs = rope_pairs(dq, rd, args.interleaved);
     let k_pairs = rope_pairs(dk, rd, args.interleaved);
     for (r, slot) in plan.rows.iter().enumerate() {
-        let Some(slot) = slot else { continue };
-        let f = &args.freqs_cis[positions[r] as usize * rd..][..rd];
+        let (Some(slot), Some(p)) = (slot, positions[r]) else { continue };
+        let f = &args.freqs_cis[p * rd..][..rd];
         for h in 0..hq {
             let base = (r * hq + h) * dq;
             output[base..base + dq].copy_from_slice(&args.q_proj[base..base + dq]);
@@ -237,14 +189,7 @@ pub fn rope_ragged<T: Element, F: Element, C: Element>(
 /// (MAX's `kv_cache_store_ragged`), rounding once to the cache dtype.
 #[doc(alias = "kv_cache_store_ragged")]
 pub fn kv_store_ragged<T: Element, C: Element>(args: &KvStoreRaggedArgs<'_, T>, kv: &mut KvWrite<'_, C>) -> Result<()> {
-    let shape = kv.cache.shape();
-    check_kv_sel(args.which, &shape)?;
-    let m = args.input_row_offsets.last().map_or(0, |&x| x as usize);
-    check_tensor("values", args.values.len(), &[m, shape.num_kv_heads(), shape.head_size()])?;
-    let rows = ragged_rows(args.input_row_offsets, m)?;
-    check_table_batch(&kv.page_table, args.input_row_offsets.len() - 1)?;
-    let writes: Vec<_> = rows.iter().map(|&(b, t)| (b, t, true)).collect();
-    let plan = SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)?;
+    let plan = validate_kv_store_ragged(args, kv)?;
     store_rows(args.values, args.which, kv, &plan);
     Ok(())
 }
@@ -253,32 +198,13 @@ pub fn kv_store_ragged<T: Element, C: Element>(args: &KvStoreRaggedArgs<'_, T>, 
 /// `cache_lengths[b] + t` for `t < valid_lengths[b]` (MAX's `kv_cache_store_padded`).
 #[doc(alias = "kv_cache_store_padded")]
 pub fn kv_store_bshd<T: Element, C: Element>(args: &KvStoreBshdArgs<'_, T>, kv: &mut KvWrite<'_, C>) -> Result<()> {
-    let shape = kv.cache.shape();
-    check_kv_sel(args.which, &shape)?;
-    let (batch, s) = (args.batch, args.seq_len);
-    check_tensor("values", args.values.len(), &[batch, s, shape.num_kv_heads(), shape.head_size()])?;
-    check_valid_lengths(args.valid_lengths, batch, s)?;
-    check_table_batch(&kv.page_table, batch)?;
-    let writes = padded_rows(args.valid_lengths, s);
-    let plan = SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)?;
+    let plan = validate_kv_store_bshd(args, kv)?;
     store_rows(args.values, args.which, kv, &plan);
     Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------
 // Validation helpers local to the oracle.
-
-fn check_freqs_row(position: u64, rows: usize) -> Result<()> {
-    if position < rows as u64 { Ok(()) } else { Err(Error::FreqsRows { position, rows }) }
-}
-
-fn check_kv_sel(which: KvSel, shape: &crate::cache::CacheShape) -> Result<()> {
-    if which == KvSel::V && shape.is_mla() {
-        Err(Error::Unsupported { what: "storing V into an MLA (K-only) cache".into() })
-    } else {
-        Ok(())
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Matmuls, one row at a time: one pre-rounding value per (row, column), as f64. A Sequential
@@ -437,6 +363,49 @@ fn store_rows<T: Element, C: Element>(values: &[T], which: KvSel, kv: &mut KvWri
 
 // ---------------------------------------------------------------------------------------------
 // RoPE.
+
+/// A fused QKV's RoPE, after the QKV values were written: exactly the standalone
+/// [`rope_ragged`] (`rope_bshd` for whole heads) applied to the output in place and to the K just
+/// stored, for the rows `positions` names.
+fn fused_rope<O: Element, C: Element>(
+    rope: Option<&QkvRope<'_>>,
+    positions: &[Option<usize>],
+    q_dim: usize,
+    output: &mut [O],
+    kv: &mut KvWrite<'_, C>,
+    plan: &SlotPlan,
+) {
+    let Some(rope) = rope else { return };
+    match rope.freqs_cis {
+        Freqs::F32(f) => fused_rope_f(rope, f, positions, q_dim, output, kv, plan),
+        Freqs::Bf16(f) => fused_rope_f(rope, f, positions, q_dim, output, kv, plan),
+        Freqs::F16(f) => fused_rope_f(rope, f, positions, q_dim, output, kv, plan),
+    }
+}
+
+fn fused_rope_f<O: Element, C: Element, F: Element>(
+    rope: &QkvRope<'_>,
+    freqs: &[F],
+    positions: &[Option<usize>],
+    q_dim: usize,
+    output: &mut [O],
+    kv: &mut KvWrite<'_, C>,
+    plan: &SlotPlan,
+) {
+    let (dq, dk, rd) = (rope.q_head_size, kv.cache.shape().head_size(), rope.rope_dim);
+    let q_pairs = rope_pairs(dq, rd, rope.interleaved);
+    let k_pairs = rope_pairs(dk, rd, rope.interleaved);
+    for (r, slot) in plan.rows.iter().enumerate() {
+        let (Some(slot), Some(p)) = (slot, positions[r]) else { continue };
+        let f = &freqs[p * rd..][..rd];
+        for h in 0..q_dim / dq {
+            let base = r * q_dim + h * dq;
+            let q = output[base..base + dq].to_vec();
+            rotate(&q, &mut output[base..base + dq], f, &q_pairs, rope.math);
+        }
+        rotate_k(&mut kv.cache, kv.layer_idx, slot.block, slot.offset, f, &k_pairs, rope.math);
+    }
+}
 
 /// The element pairs `(j0, j1)` of a head of size `head` for pair index `i < rope_dim / 2`
 /// (freqs columns `2i`, `2i + 1`): interleaved rotates the last `rope_dim` dims in adjacent pairs,

@@ -36,6 +36,7 @@ pub(crate) mod fp4;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 pub(crate) mod plain;
+pub(crate) mod rope;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

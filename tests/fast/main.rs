@@ -7,6 +7,7 @@ mod common;
 #[path = "../oracle/fp4_setup.rs"]
 mod fp4_setup;
 mod plain;
+mod rope;
 
 use common::*;
 use fp4_setup::*;
@@ -31,6 +32,7 @@ fn run<O: Element, C: Element>(s: &Setup, tsf: f32, exec: Option<Exec>, seed: u6
         weight: s.w.as_ref(),
         tensor_sf: tsf,
         q_dim: s.q_dim,
+        rope: None,
     };
     let table = PageTable::new(&s.pages.lookup, s.pages.cols, &s.pages.cache_lengths).unwrap();
     let mut kv = KvWrite::new(cache.view_mut(), table, s.layer);
@@ -323,6 +325,7 @@ fn packed_entry_point_and_validation() {
         weight: &packed,
         tensor_sf: 1.0,
         q_dim: s.q_dim,
+        rope: None,
     };
     let mut kv = KvWrite::new(cache.view_mut(), table, s.layer);
     qkv_fp4_ragged_packed(&args, &mut out, &mut kv, Exec::default()).unwrap();

@@ -171,6 +171,7 @@ pub fn run<T: Element, O: Element, C: Element>(s: &Plain<T>, how: How, seed: u64
                 hidden_size: s.k,
                 bias: s.bias.as_deref(),
                 q_dim: s.q_dim,
+                rope: None,
             };
             match how {
                 How::Fast(e) => fast::qkv_ragged(&args, &mut out, &mut kv, e),
@@ -182,6 +183,7 @@ pub fn run<T: Element, O: Element, C: Element>(s: &Plain<T>, how: How, seed: u64
                         weight: &pw,
                         bias: s.bias.as_deref(),
                         q_dim: s.q_dim,
+                        rope: None,
                     };
                     fast::qkv_ragged_packed(&pargs, &mut out, &mut kv, e)
                 }
@@ -197,6 +199,7 @@ pub fn run<T: Element, O: Element, C: Element>(s: &Plain<T>, how: How, seed: u64
                 weight: &s.w,
                 valid_lengths: &s.valid,
                 q_dim: s.q_dim,
+                rope: None,
             };
             match how {
                 How::Fast(e) => fast::qkv_bshd(&args, &mut out, &mut kv, e),
@@ -209,6 +212,7 @@ pub fn run<T: Element, O: Element, C: Element>(s: &Plain<T>, how: How, seed: u64
                         weight: &pw,
                         valid_lengths: &s.valid,
                         q_dim: s.q_dim,
+                        rope: None,
                     };
                     fast::qkv_bshd_packed(&pargs, &mut out, &mut kv, e)
                 }

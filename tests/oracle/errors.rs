@@ -67,6 +67,7 @@ fn fails(c: &Call) -> Error {
         weight: c.s.w.as_ref(),
         tensor_sf: c.tensor_sf,
         q_dim: c.q_dim,
+        rope: None,
     };
     let table = PageTable::new(&c.lookup, c.cols, &c.cache_lengths).unwrap();
     let mut kv = KvWrite::new(cache.view_mut(), table, c.layer);
@@ -89,6 +90,7 @@ fn the_base_call_succeeds() {
             weight: c.s.w.as_ref(),
             tensor_sf: 1.0,
             q_dim: c.q_dim,
+            rope: None,
         };
         let mut kv =
             KvWrite::new(cache.view_mut(), PageTable::new(&c.lookup, c.cols, &c.cache_lengths).unwrap(), c.layer);
@@ -184,6 +186,7 @@ fn slot_conflicts() {
         weight: c.s.w.as_ref(),
         tensor_sf: 1.0,
         q_dim: c.q_dim,
+        rope: None,
     };
     let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&c.lookup, c.cols, &c.cache_lengths).unwrap(), c.layer);
     qkv_fp4_ragged(&args, &mut out, &mut kv, Accumulation::Exact).unwrap();
@@ -246,6 +249,7 @@ fn bshd_errors() {
             weight: &w,
             valid_lengths: valid,
             q_dim: 4,
+            rope: None,
         };
         qkv_bshd(&args, out, kv, Accumulation::Exact)
     };

@@ -63,6 +63,7 @@ fn check_bshd<T: Element, O: Element, C: Element>(rng: &mut Rng, c: &Bshd, mode:
         weight: &w,
         valid_lengths: &c.valid,
         q_dim,
+        rope: None,
     };
     let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&pg.lookup, pg.cols, &pg.cache_lengths).unwrap(), 1);
     qkv_bshd(&args, &mut out, &mut kv, mode).unwrap();
@@ -186,6 +187,7 @@ fn ragged_with_bias() {
             hidden_size: k,
             bias: with_bias.then_some(&bias[..]),
             q_dim,
+            rope: None,
         };
         let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&pg.lookup, pg.cols, &pg.cache_lengths).unwrap(), 0);
         qkv_ragged(&args, &mut out, &mut kv, Accumulation::Exact).unwrap();

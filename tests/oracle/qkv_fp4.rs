@@ -43,6 +43,7 @@ pub fn run<O: Element, C: Element>(
         weight: s.w.as_ref(),
         tensor_sf,
         q_dim: s.q_dim,
+        rope: None,
     };
     let table = PageTable::new(&s.pages.lookup, s.pages.cols, &s.pages.cache_lengths).unwrap();
     let mut kv = KvWrite::new(cache.view_mut(), table, s.layer);
@@ -91,7 +92,8 @@ fn hand_checkable_value() {
     let (lut, lens) = ([1u32, 0], [2u32]);
     let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&lut, 2, &lens).unwrap(), 0);
     let mut out = [0f32; 1];
-    let args = QkvFp4Args { hidden_state: a, input_row_offsets: &[0, 1], weight: w, tensor_sf: 0.75, q_dim: 1 };
+    let args =
+        QkvFp4Args { hidden_state: a, input_row_offsets: &[0, 1], weight: w, tensor_sf: 0.75, q_dim: 1, rope: None };
     for mode in [Accumulation::Exact, Accumulation::Sequential] {
         qkv_fp4_ragged(&args, &mut out, &mut kv, mode).unwrap();
         assert_eq!(out[0], 15.0);

@@ -82,12 +82,12 @@ proptest! {
             let mut kv = KvWrite::new(cache.view_mut(), table, r.layer);
             let mut res = Vec::new();
             if let (Ok(a), Ok(w)) = (QuantizedRef::new(format, m, k, &a_data, &a_sc), QuantizedRef::new(format, n, k, &w_data, &w_sc)) {
-                let args = QkvFp4Args { hidden_state: a, input_row_offsets: &r.offsets, weight: w, tensor_sf: 0.5, q_dim: d[8] * 2 };
+                let args = QkvFp4Args { hidden_state: a, input_row_offsets: &r.offsets, weight: w, tensor_sf: 0.5, q_dim: d[8] * 2, rope: None };
                 res.push(qkv_fp4_ragged(&args, &mut out, &mut kv, Accumulation::Exact));
             }
-            let args = QkvRaggedArgs { hidden_state: &x, input_row_offsets: &r.offsets, weight: &x, hidden_size: d[9], bias: r.flag.then_some(&x[..]), q_dim: d[8] };
+            let args = QkvRaggedArgs { hidden_state: &x, input_row_offsets: &r.offsets, weight: &x, hidden_size: d[9], bias: r.flag.then_some(&x[..]), q_dim: d[8], rope: None };
             res.push(qkv_ragged(&args, &mut out, &mut kv, Accumulation::Sequential));
-            let args = QkvBshdArgs { hidden_state: &x, batch: r.lens.len(), seq_len: d[3], hidden_size: d[9], weight: &x, valid_lengths: &r.valid, q_dim: d[8] };
+            let args = QkvBshdArgs { hidden_state: &x, batch: r.lens.len(), seq_len: d[3], hidden_size: d[9], weight: &x, valid_lengths: &r.valid, q_dim: d[8], rope: None };
             res.push(qkv_bshd(&args, &mut out, &mut kv, Accumulation::Exact));
             let args = RopeBshdArgs { q_proj: &x, batch: r.lens.len(), seq_len: d[3], num_q_heads: d[10], freqs_cis: &x, valid_lengths: &r.valid, interleaved: r.flag };
             res.push(rope_bshd(&args, &mut out32, &mut kv, RopeMath::MaxCompat));

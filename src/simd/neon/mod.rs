@@ -2,3 +2,4 @@
 
 pub(super) mod fp4;
 pub(super) mod plain;
+pub(super) mod rope;

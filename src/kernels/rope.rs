@@ -1,0 +1,163 @@
+//! The standalone RoPE and KV-store fast paths: per row, the token's Q heads are rotated from
+//! `q_proj` into `output` and its K heads rotated in place in its cache slot (or its K/V values
+//! stored there), in parallel over rows. Each row's slot is carved out of the cache as its own
+//! `&mut` slice (the validated slot plan gives distinct slots), so this needs no `unsafe`.
+//!
+//! The rotation itself is `crate::simd::rope`: the oracle's operations lane by lane.
+
+use crate::cache::{CacheShape, SlotPlan};
+use crate::element::Element;
+use crate::ops::RopeMath;
+use crate::simd::IsaToken;
+use crate::simd::rope::{RopeRow, Round, narrow, rotate, widen};
+use rayon::prelude::*;
+
+/// Splits `cache` into the disjoint slices `[bases[r], bases[r] + len)` (`None` where a row has no
+/// slot). The ranges must not overlap, which the slot plan guarantees (a bug panics, never aliases).
+pub(crate) fn carve<'a, C>(cache: &'a mut [C], bases: &[Option<usize>], len: usize) -> Vec<Option<&'a mut [C]>> {
+    let mut order: Vec<(usize, usize)> = bases.iter().enumerate().filter_map(|(r, b)| b.map(|b| (b, r))).collect();
+    order.sort_unstable();
+    let mut out: Vec<Option<&'a mut [C]>> = (0..bases.len()).map(|_| None).collect();
+    let mut rest = cache;
+    let mut consumed = 0;
+    for (base, r) in order {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(base - consumed);
+        let (mine, tail) = tail.split_at_mut(len);
+        out[r] = Some(mine);
+        rest = tail;
+        consumed = base + len;
+    }
+    out
+}
+
+/// The first element of each row's slot in layer `layer`, plus `offset` (the V part, or 0).
+pub(crate) fn slot_bases(plan: &SlotPlan, shape: &CacheShape, layer: usize, offset: usize) -> Vec<Option<usize>> {
+    plan.rows.iter().map(|s| s.map(|s| shape.slot_base(s.block, layer, s.offset) + offset)).collect()
+}
+
+/// The rotation of one head layout: where the rotary region starts in a head of `head` dims.
+fn region_start(head: usize, rope_dim: usize, interleaved: bool) -> usize {
+    if interleaved { head - rope_dim } else { 0 }
+}
+
+/// What one RoPE call rotates.
+pub(crate) struct RopeSpec<'a, F> {
+    pub freqs: &'a [F],
+    pub rope_dim: usize,
+    pub interleaved: bool,
+    pub math: RopeMath,
+    /// Q heads and their size; K heads (the cache's) and their size.
+    pub q_heads: (usize, usize),
+    pub k_heads: (usize, usize),
+}
+
+impl<F: Element> RopeSpec<'_, F> {
+    pub fn round(&self) -> Round {
+        match self.math {
+            RopeMath::F32 => Round::None,
+            RopeMath::MaxCompat => Round::of::<F>(),
+        }
+    }
+
+    /// Rotates the rotary region of `head` in place (widen, rotate, narrow).
+    pub fn rotate_head<T: Element>(&self, token: IsaToken, head: &mut [T], row: &RopeRow<'_>, buf: &mut [f32]) {
+        let rd = self.rope_dim;
+        let at = region_start(head.len(), rd, self.interleaved);
+        let region = &mut head[at..at + rd];
+        let x = &mut buf[..rd];
+        widen(token, region, x);
+        rotate(token, x, row, self.interleaved, self.round());
+        narrow(token, x, region);
+    }
+
+    /// One token: Q heads from `q` into `out`, K heads of its slot `k` in place.
+    fn row<T: Element, C: Element>(
+        &self,
+        token: IsaToken,
+        p: usize,
+        q: &[T],
+        out: &mut [T],
+        k: &mut [C],
+        bufs: &mut (Vec<f32>, Vec<f32>),
+    ) {
+        let rd = self.rope_dim;
+        bufs.0.resize(3 * rd, 0.0);
+        bufs.1.resize(rd, 0.0);
+        RopeRow::fill(&self.freqs[p * rd..(p + 1) * rd], &mut bufs.0);
+        let row = RopeRow::view(&bufs.0, rd);
+        let (hq, dq) = self.q_heads;
+        for h in 0..hq {
+            let o = &mut out[h * dq..(h + 1) * dq];
+            o.copy_from_slice(&q[h * dq..(h + 1) * dq]); // the non-rotary dims are copied
+            self.rotate_head(token, o, &row, &mut bufs.1);
+        }
+        let (hk, dk) = self.k_heads;
+        for h in 0..hk {
+            self.rotate_head(token, &mut k[h * dk..(h + 1) * dk], &row, &mut bufs.1);
+        }
+    }
+}
+
+/// Rows below which a call runs on the calling thread (a decode step's few tokens).
+const PAR_ROWS: usize = 8;
+
+/// Runs a validated RoPE call: for every row with a slot and a position, rotate its Q heads
+/// (`q_proj` row → `output` row) and its K heads in `cache`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rope_rows<T: Element, F: Element, C: Element>(
+    token: IsaToken,
+    parallel: bool,
+    spec: &RopeSpec<'_, F>,
+    q_proj: &[T],
+    output: &mut [T],
+    cache: &mut [C],
+    bases: &[Option<usize>],
+    positions: &[Option<usize>],
+) {
+    let (hq, dq) = spec.q_heads;
+    let (hk, dk) = spec.k_heads;
+    let qw = hq * dq;
+    let slots = carve(cache, bases, hk * dk);
+    let work =
+        output.chunks_mut(qw).zip(slots).zip(positions).enumerate().filter_map(|(r, ((o, k), p))| match (k, p) {
+            (Some(k), Some(p)) => Some((r, o, k, *p)),
+            _ => None,
+        });
+    let job = |bufs: &mut (Vec<f32>, Vec<f32>), (r, o, k, p): (usize, &mut [T], &mut [C], usize)| {
+        spec.row(token, p, &q_proj[r * qw..(r + 1) * qw], o, k, bufs)
+    };
+    if parallel && positions.len() >= PAR_ROWS {
+        let jobs: Vec<_> = work.collect();
+        jobs.into_par_iter().for_each_init(|| (Vec::new(), Vec::new()), job);
+    } else {
+        let mut bufs = (Vec::new(), Vec::new());
+        work.for_each(|j| job(&mut bufs, j));
+    }
+}
+
+/// Runs a validated KV store: every row with a slot writes its `width` values, rounded once to
+/// the cache dtype.
+pub(crate) fn store_rows<T: Element, C: Element>(
+    token: IsaToken,
+    parallel: bool,
+    values: &[T],
+    cache: &mut [C],
+    bases: &[Option<usize>],
+    width: usize,
+) {
+    let slots = carve(cache, bases, width);
+    let job = |buf: &mut Vec<f32>, (r, dst): (usize, &mut [C])| {
+        // Through f32 also for equal types: the oracle's `C::from_f32(v.to_f32())`, NaNs included.
+        buf.resize(width, 0.0);
+        widen(token, &values[r * width..(r + 1) * width], buf);
+        narrow(token, buf, dst);
+    };
+    let work = slots.into_iter().enumerate().filter_map(|(r, s)| s.map(|s| (r, s)));
+    if parallel && bases.len() >= PAR_ROWS {
+        let jobs: Vec<_> = work.collect();
+        jobs.into_par_iter().for_each_init(Vec::new, job);
+    } else {
+        let mut buf = Vec::new();
+        work.for_each(|j| job(&mut buf, j));
+    }
+}

@@ -1,0 +1,157 @@
+//! RoPE on f32 lanes, and the element conversions around it, behind one dispatch. The portable
+//! versions here define the arithmetic; every SIMD version computes the same operations in the same
+//! order (there is no summation: a lane's result depends only on its own pair), so every ISA is
+//! bit-identical to them and to the oracle's `rope_pair`.
+
+use super::{Isa, IsaToken};
+use crate::DType;
+use crate::element::Element;
+
+/// The rounding `MaxCompat` applies after each operation (to the freqs dtype); `F32` math rounds
+/// nothing until the destination.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Round {
+    None,
+    Bf16,
+    F16,
+}
+
+impl Round {
+    /// The rounding of `MaxCompat` math with freqs of type `F`.
+    pub fn of<F: Element>() -> Round {
+        match F::DTYPE {
+            DType::BF16 => Round::Bf16,
+            DType::F16 => Round::F16,
+            // E4M3 freqs are rejected by validation; f32 rounds nothing.
+            _ => Round::None,
+        }
+    }
+
+    #[inline(always)]
+    pub fn apply(self, v: f32) -> f32 {
+        match self {
+            Round::None => v,
+            Round::Bf16 => half::bf16::from_f32(v).to_f32(),
+            Round::F16 => half::f16::from_f32(v).to_f32(),
+        }
+    }
+}
+
+/// One position's rotation: the freqs row widened to f32, in the forms the kernels read.
+pub(crate) struct RopeRow<'a> {
+    /// `c0, s0, c1, s1, …` (`rope_dim` values).
+    pub f: &'a [f32],
+    /// `s0, c0, s1, c1, …`.
+    pub fsw: &'a [f32],
+    /// `c0, c1, …` (`rope_dim / 2`).
+    pub c: &'a [f32],
+    /// `s0, s1, …`.
+    pub s: &'a [f32],
+}
+
+impl RopeRow<'_> {
+    /// Fills the four forms of `row` (`rope_dim` values of the freqs table) into `buf`
+    /// (`3 · rope_dim` f32: `f`, `fsw`, then `c` and `s`).
+    pub fn fill<F: Element>(row: &[F], buf: &mut [f32]) {
+        let rd = row.len();
+        let (f, rest) = buf.split_at_mut(rd);
+        let (fsw, rest) = rest.split_at_mut(rd);
+        let (c, s) = rest.split_at_mut(rd / 2);
+        for i in 0..rd / 2 {
+            let (ci, si) = (row[2 * i].to_f32(), row[2 * i + 1].to_f32());
+            f[2 * i] = ci;
+            f[2 * i + 1] = si;
+            fsw[2 * i] = si;
+            fsw[2 * i + 1] = ci;
+            c[i] = ci;
+            s[i] = si;
+        }
+    }
+
+    /// The forms in `buf` as filled by [`fill`](Self::fill).
+    pub fn view(buf: &[f32], rd: usize) -> RopeRow<'_> {
+        RopeRow {
+            f: &buf[..rd],
+            fsw: &buf[rd..2 * rd],
+            c: &buf[2 * rd..2 * rd + rd / 2],
+            s: &buf[2 * rd + rd / 2..3 * rd],
+        }
+    }
+}
+
+/// One pair, as the oracle computes it (`F32`: `t1 = x1·s`, `y0 = fma(x0, c, −t1)`,
+/// `t2 = x1·c`, `y1 = fma(x0, s, t2)`; `MaxCompat`: the same with a rounding after each step and
+/// on the inputs).
+#[inline(always)]
+pub(crate) fn pair(x0: f32, x1: f32, c: f32, s: f32, r: Round) -> (f32, f32) {
+    let (x0, x1) = (r.apply(x0), r.apply(x1));
+    let t1 = r.apply(x1 * s);
+    let y0 = r.apply(x0.mul_add(c, -t1));
+    let t2 = r.apply(x1 * c);
+    let y1 = r.apply(x0.mul_add(s, t2));
+    (y0, y1)
+}
+
+/// Portable rotation of the rotary region `x` (`rope_dim` values) in place.
+pub(crate) fn rotate_scalar(x: &mut [f32], row: &RopeRow<'_>, interleaved: bool, r: Round) {
+    let h = x.len() / 2;
+    for i in 0..h {
+        let (j0, j1) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + h) };
+        let (y0, y1) = pair(x[j0], x[j1], row.c[i], row.s[i], r);
+        x[j0] = y0;
+        x[j1] = y1;
+    }
+}
+
+/// Rotates the rotary region `x` (`rope_dim` values, even) of one head in place: pairs
+/// `(2i, 2i+1)` when `interleaved`, else `(i, i + rope_dim/2)`, pair `i` with `(row.c[i], row.s[i])`.
+pub(crate) fn rotate(token: IsaToken, x: &mut [f32], row: &RopeRow<'_>, interleaved: bool, r: Round) {
+    let rd = x.len();
+    assert!(rd.is_multiple_of(2) && row.f.len() == rd && row.fsw.len() == rd);
+    assert!(row.c.len() == rd / 2 && row.s.len() == rd / 2);
+    match token.0 {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the token proves AVX-512 F (with BW: Avx512 and up) was detected; the asserts
+        // above prove the lengths the kernel's loads rely on.
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { super::x86::rope::rotate_avx512(x, row, interleaved, r) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the token proves AVX2, FMA and F16C were detected; lengths as above.
+        Isa::Avx2 => unsafe { super::x86::rope::rotate_avx2(x, row, interleaved, r) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: the token proves NEON was detected; lengths as above.
+        Isa::Neon => unsafe { super::neon::rope::rotate_neon(x, row, interleaved, r) },
+        _ => rotate_scalar(x, row, interleaved, r),
+    }
+}
+
+/// `dst[i] = src[i].to_f32()` (exact).
+pub(crate) fn widen<T: Element>(token: IsaToken, src: &[T], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len());
+    #[cfg(target_arch = "x86_64")]
+    if matches!(token.0, Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16) && matches!(T::DTYPE, DType::BF16 | DType::F16) {
+        // SAFETY: the token proves AVX2 and F16C were detected; T is a 16-bit type (checked), so
+        // `src` is `src.len()` u16 values; the lengths are equal (asserted).
+        unsafe { super::x86::rope::widen16(src.as_ptr().cast(), dst, T::DTYPE == DType::BF16) };
+        return;
+    }
+    let _ = token;
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = s.to_f32();
+    }
+}
+
+/// `dst[i] = T::from_f32(src[i])` (round to nearest even; the conversions of `Element`).
+pub(crate) fn narrow<T: Element>(token: IsaToken, src: &[f32], dst: &mut [T]) {
+    assert_eq!(src.len(), dst.len());
+    #[cfg(target_arch = "x86_64")]
+    if matches!(token.0, Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16) && matches!(T::DTYPE, DType::BF16 | DType::F16) {
+        // SAFETY: the token proves AVX2 and F16C were detected; T is a 16-bit type (checked), so
+        // `dst` is `dst.len()` u16 values; the lengths are equal (asserted).
+        unsafe { super::x86::rope::narrow16(src, dst.as_mut_ptr().cast(), T::DTYPE == DType::BF16) };
+        return;
+    }
+    let _ = token;
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = T::from_f32(*s);
+    }
+}

@@ -1,0 +1,222 @@
+//! RoPE rotation on f32 lanes (AVX2 8, AVX-512 16) and bf16/f16 ↔ f32 conversions, bit-identical
+//! to the portable versions in [`crate::simd::rope`].
+//!
+//! Interleaved pairs `(x0, x1)` sit in adjacent lanes: with `X0 = (x0, x0)` and `X1 = (x1, x1)`
+//! (`moveldup`/`movehdup`), `t = X1 · (s, c)` and `y = fma(X0, (c, s), (−t_even, t_odd))` give
+//! `y0 = fma(x0, c, −(x1·s))` and `y1 = fma(x0, s, x1·c)`: the oracle's operations, lane by lane.
+//! Half-split pairs are two vectors `x0 = x[i..]`, `x1 = x[i + h..]` with `c`, `s` vectors.
+//! `MaxCompat` rounds after each operation: bf16 by integer round-to-nearest-even (NaN made quiet,
+//! as `half` does), f16 by `vcvtps2ph`/`vcvtph2ps` (what `half` uses on these CPUs).
+
+use crate::simd::rope::{RopeRow, Round, pair};
+use std::arch::x86_64::*;
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512 (16 lanes)
+
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn round512(v: __m512, r: Round) -> __m512 {
+    match r {
+        Round::None => v,
+        Round::Bf16 => {
+            let x = _mm512_castps_si512(v);
+            let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(1));
+            let rne = _mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7FFF)), lsb);
+            let quiet = _mm512_or_si512(x, _mm512_set1_epi32(0x0040_0000));
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+            let y = _mm512_mask_blend_epi32(nan, rne, quiet);
+            _mm512_castsi512_ps(_mm512_and_si512(y, _mm512_set1_epi32(0xFFFF_0000u32 as i32)))
+        }
+        Round::F16 => _mm512_cvtph_ps(_mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v)),
+    }
+}
+
+/// # Safety
+/// AVX-512 F must be available; `row` holds the forms of `x.len()` rotary dims (`f`, `fsw`:
+/// `x.len()`; `c`, `s`: `x.len() / 2`).
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn rotate_avx512(x: &mut [f32], row: &RopeRow<'_>, interleaved: bool, r: Round) {
+    let rd = x.len();
+    let xp = x.as_mut_ptr();
+    if interleaved {
+        let sign = _mm512_castsi512_ps(_mm512_set1_epi64(0x8000_0000));
+        let mut i = 0;
+        while i + 16 <= rd {
+            // SAFETY: lanes i .. i + 16 of x, f and fsw (all rd long).
+            unsafe {
+                let v = round512(_mm512_loadu_ps(xp.add(i)), r);
+                let (x0, x1) = (_mm512_moveldup_ps(v), _mm512_movehdup_ps(v));
+                let t = round512(_mm512_mul_ps(x1, _mm512_loadu_ps(row.fsw.as_ptr().add(i))), r);
+                let t = _mm512_xor_ps(t, sign); // −t in the even lanes (exact)
+                let y = round512(_mm512_fmadd_ps(x0, _mm512_loadu_ps(row.f.as_ptr().add(i)), t), r);
+                _mm512_storeu_ps(xp.add(i), y);
+            }
+            i += 16;
+        }
+        for p in i / 2..rd / 2 {
+            let (y0, y1) = pair(x[2 * p], x[2 * p + 1], row.c[p], row.s[p], r);
+            x[2 * p] = y0;
+            x[2 * p + 1] = y1;
+        }
+    } else {
+        let h = rd / 2;
+        let mut i = 0;
+        while i + 16 <= h {
+            // SAFETY: lanes i .. i + 16 of the halves (h long) and of c, s (h long).
+            unsafe {
+                let x0 = round512(_mm512_loadu_ps(xp.add(i)), r);
+                let x1 = round512(_mm512_loadu_ps(xp.add(h + i)), r);
+                let (c, s) = (_mm512_loadu_ps(row.c.as_ptr().add(i)), _mm512_loadu_ps(row.s.as_ptr().add(i)));
+                let t1 = round512(_mm512_mul_ps(x1, s), r);
+                let y0 = round512(_mm512_fmadd_ps(x0, c, _mm512_xor_ps(t1, _mm512_set1_ps(-0.0))), r);
+                let t2 = round512(_mm512_mul_ps(x1, c), r);
+                let y1 = round512(_mm512_fmadd_ps(x0, s, t2), r);
+                _mm512_storeu_ps(xp.add(i), y0);
+                _mm512_storeu_ps(xp.add(h + i), y1);
+            }
+            i += 16;
+        }
+        for p in i..h {
+            let (y0, y1) = pair(x[p], x[p + h], row.c[p], row.s[p], r);
+            x[p] = y0;
+            x[p + h] = y1;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX2 (8 lanes)
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn round256(v: __m256, r: Round) -> __m256 {
+    match r {
+        Round::None => v,
+        Round::Bf16 => {
+            let x = _mm256_castps_si256(v);
+            let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(1));
+            let rne = _mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7FFF)), lsb);
+            let quiet = _mm256_or_si256(x, _mm256_set1_epi32(0x0040_0000));
+            let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+            let y = _mm256_blendv_epi8(rne, quiet, nan);
+            _mm256_castsi256_ps(_mm256_and_si256(y, _mm256_set1_epi32(0xFFFF_0000u32 as i32)))
+        }
+        Round::F16 => _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)),
+    }
+}
+
+/// # Safety
+/// AVX2, FMA and F16C must be available; `row` as in [`rotate_avx512`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn rotate_avx2(x: &mut [f32], row: &RopeRow<'_>, interleaved: bool, r: Round) {
+    let rd = x.len();
+    let xp = x.as_mut_ptr();
+    if interleaved {
+        let sign = _mm256_castsi256_ps(_mm256_set1_epi64x(0x8000_0000));
+        let mut i = 0;
+        while i + 8 <= rd {
+            // SAFETY: lanes i .. i + 8 of x, f and fsw (all rd long).
+            unsafe {
+                let v = round256(_mm256_loadu_ps(xp.add(i)), r);
+                let (x0, x1) = (_mm256_moveldup_ps(v), _mm256_movehdup_ps(v));
+                let t = round256(_mm256_mul_ps(x1, _mm256_loadu_ps(row.fsw.as_ptr().add(i))), r);
+                let t = _mm256_xor_ps(t, sign);
+                let y = round256(_mm256_fmadd_ps(x0, _mm256_loadu_ps(row.f.as_ptr().add(i)), t), r);
+                _mm256_storeu_ps(xp.add(i), y);
+            }
+            i += 8;
+        }
+        for p in i / 2..rd / 2 {
+            let (y0, y1) = pair(x[2 * p], x[2 * p + 1], row.c[p], row.s[p], r);
+            x[2 * p] = y0;
+            x[2 * p + 1] = y1;
+        }
+    } else {
+        let h = rd / 2;
+        let mut i = 0;
+        while i + 8 <= h {
+            // SAFETY: lanes i .. i + 8 of the halves and of c, s (h long).
+            unsafe {
+                let x0 = round256(_mm256_loadu_ps(xp.add(i)), r);
+                let x1 = round256(_mm256_loadu_ps(xp.add(h + i)), r);
+                let (c, s) = (_mm256_loadu_ps(row.c.as_ptr().add(i)), _mm256_loadu_ps(row.s.as_ptr().add(i)));
+                let t1 = round256(_mm256_mul_ps(x1, s), r);
+                let y0 = round256(_mm256_fmadd_ps(x0, c, _mm256_xor_ps(t1, _mm256_set1_ps(-0.0))), r);
+                let t2 = round256(_mm256_mul_ps(x1, c), r);
+                let y1 = round256(_mm256_fmadd_ps(x0, s, t2), r);
+                _mm256_storeu_ps(xp.add(i), y0);
+                _mm256_storeu_ps(xp.add(h + i), y1);
+            }
+            i += 8;
+        }
+        for p in i..h {
+            let (y0, y1) = pair(x[p], x[p + h], row.c[p], row.s[p], r);
+            x[p] = y0;
+            x[p + h] = y1;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Conversions (AVX2 + F16C: every x86 level the fast paths use)
+
+/// `dst[i] = f32(src[i])` for bf16 (`bf16`) or f16 bits.
+///
+/// # Safety
+/// AVX2 and F16C must be available; `src` points at `dst.len()` readable u16.
+#[target_feature(enable = "avx2,f16c")]
+pub(crate) unsafe fn widen16(src: *const u16, dst: &mut [f32], bf16: bool) {
+    let n = dst.len();
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: 8 u16 at src + i and 8 f32 at dst + i are in bounds (i + 8 ≤ n).
+        unsafe {
+            let h = _mm_loadu_si128(src.add(i).cast());
+            let v = if bf16 {
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+            } else {
+                _mm256_cvtph_ps(h)
+            };
+            _mm256_storeu_ps(dst.as_mut_ptr().add(i), v);
+        }
+        i += 8;
+    }
+    for (j, d) in dst.iter_mut().enumerate().skip(i) {
+        // SAFETY: j < n.
+        let b = unsafe { *src.add(j) };
+        *d = if bf16 { half::bf16::from_bits(b).to_f32() } else { half::f16::from_bits(b).to_f32() };
+    }
+}
+
+/// `dst[i] = bf16/f16(src[i])`, round to nearest even, NaN made quiet (as `half`).
+///
+/// # Safety
+/// AVX2 and F16C must be available; `dst` points at `src.len()` writable u16.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn narrow16(src: &[f32], dst: *mut u16, bf16: bool) {
+    let n = src.len();
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: 8 f32 at src + i and 8 u16 at dst + i are in bounds (i + 8 ≤ n).
+        unsafe {
+            let v = _mm256_loadu_ps(src.as_ptr().add(i));
+            let h = if bf16 {
+                let b = _mm256_srli_epi32::<16>(_mm256_castps_si256(round256(v, Round::Bf16)));
+                // Pack the 8 u32 (< 2^16) to u16 in lane order.
+                let lo = _mm256_castsi256_si128(b);
+                let hi = _mm256_extracti128_si256::<1>(b);
+                _mm_packus_epi32(lo, hi)
+            } else {
+                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)
+            };
+            _mm_storeu_si128(dst.add(i).cast(), h);
+        }
+        i += 8;
+    }
+    for (j, s) in src.iter().enumerate().skip(i) {
+        let b = if bf16 { half::bf16::from_f32(*s).to_bits() } else { half::f16::from_f32(*s).to_bits() };
+        // SAFETY: j < n.
+        unsafe { *dst.add(j) = b };
+    }
+}

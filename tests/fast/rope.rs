@@ -1,0 +1,548 @@
+//! Fast RoPE (padded and ragged), fused RoPE in the QKV epilogue, and the fast KV stores: bit for
+//! bit against the oracle on every ISA, both pairings, both math modes, partial rotary, position
+//! ids, MLA head sizes, page boundaries, positions at the end of the table; fused equals unfused;
+//! bad input is an error with nothing written.
+
+use crate::common::*;
+use crate::fp4_setup::{Config, setup as fp4_setup};
+use crate::plain::{Cfg, Values, setup as plain_setup};
+use paged_qkv::fast::{self, PackedWeights, QkvFp4PackedArgs, QkvRaggedPackedArgs};
+use paged_qkv::ops::{Freqs, QkvRope};
+use paged_qkv::{
+    BlockFormat, CacheShape, Element, Error, Exec, Isa, KvSel, KvStoreBshdArgs, KvStoreRaggedArgs, KvWrite,
+    PackedPlainWeights, PageTable, PagedKvCache, Par, QkvBshdArgs, RopeBshdArgs, RopeMath, RopeRaggedArgs, bf16, f16,
+    reference,
+};
+
+fn execs() -> Vec<Exec> {
+    Isa::available()
+        .into_iter()
+        .flat_map(|isa| [Par::Sequential, Par::Rayon].map(|par| Exec { par, isa: Some(isa) }))
+        .collect()
+}
+
+/// A table of `rows` positions of `dim` values as `F`.
+fn freqs<F: Element>(rows: usize, dim: usize) -> Vec<F> {
+    paged_qkv::freqs_cis(rows, dim, 10000.0).into_iter().map(F::from_f32).collect()
+}
+
+struct Ragged {
+    lens: Vec<usize>,
+    cache_lengths: Vec<u32>,
+    hq: usize,
+    dq: usize,
+    hkv: usize,
+    dk: usize,
+    rd: usize,
+    page: usize,
+    mla: bool,
+    ids: bool,
+}
+
+/// Fast (every ISA) and reference `rope_ragged`, compared bit for bit on the output and the
+/// whole cache; run twice (rotating twice).
+fn check_ragged<T: Element, F: Element, C: Element>(rng: &mut Rng, c: &Ragged) {
+    let m: usize = c.lens.iter().sum();
+    let shape = if c.mla {
+        CacheShape::mla(64, 2, c.page, 1, c.dk).unwrap()
+    } else {
+        CacheShape::mha(64, 2, c.page, c.hkv, c.dk).unwrap()
+    };
+    let pg = pages(rng, &c.cache_lengths, &c.lens, c.page, 64);
+    let max_pos = c.lens.iter().zip(&c.cache_lengths).map(|(&l, &s)| s as usize + l).max().unwrap_or(0);
+    // The table ends exactly at the last position used (positions near the end of the table).
+    let ids: Option<Vec<u32>> = c.ids.then(|| (0..m).map(|_| rng.below(max_pos.max(1)) as u32).collect());
+    let rows = max_pos.max(1);
+    let f: Vec<F> = freqs(rows, c.rd);
+    let q: Vec<T> = (0..m * c.hq * c.dq).map(|_| T::from_f32(rng.normal())).collect();
+    let offs = offsets(&c.lens);
+    let layer = rng.below(2);
+    for interleaved in [false, true] {
+        for math in [RopeMath::F32, RopeMath::MaxCompat] {
+            let args = RopeRaggedArgs {
+                q_proj: &q,
+                input_row_offsets: &offs,
+                num_q_heads: c.hq,
+                q_head_size: c.dq,
+                freqs_cis: &f,
+                rope_dim: c.rd,
+                position_ids: ids.as_deref(),
+                interleaved,
+            };
+            let run = |e: Option<Exec>| -> (Vec<u32>, Vec<u32>) {
+                let mut cache: PagedKvCache<C> = random_cache(&mut Rng::new(5), shape);
+                let mut out = vec![T::from_f32(-3.0); q.len()];
+                for _ in 0..2 {
+                    let table = PageTable::new(&pg.lookup, pg.cols, &pg.cache_lengths).unwrap();
+                    let mut kv = KvWrite::new(cache.view_mut(), table, layer);
+                    match e {
+                        Some(e) => fast::rope_ragged(&args, &mut out, &mut kv, math, e).unwrap(),
+                        None => reference::rope_ragged(&args, &mut out, &mut kv, math).unwrap(),
+                    }
+                }
+                (bits(&out), bits(cache.data()))
+            };
+            let want = run(None);
+            for e in execs() {
+                assert_eq!(run(Some(e)), want, "{e:?} interleaved {interleaved} {math:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn rope_ragged_every_isa_bit_for_bit() {
+    let mut rng = Rng::new(70);
+    for case in 0..12 {
+        let dk = [8, 16, 64, 128, 24][rng.below(5)];
+        let mla = case % 4 == 3;
+        let dq = if mla { dk / 2 + 8 } else { dk };
+        let rd = 2 * rng.range(1, dq.min(dk) / 2);
+        let c = Ragged {
+            lens: (0..rng.range(1, 3)).map(|_| rng.range(0, 9)).collect(),
+            cache_lengths: vec![0; 3].into_iter().map(|_| rng.range(0, 20) as u32).collect(),
+            hq: rng.range(1, 3),
+            dq,
+            hkv: rng.range(1, 2),
+            dk,
+            rd,
+            page: [1, 4, 16][rng.below(3)],
+            mla,
+            ids: case % 3 == 1,
+        };
+        let c = Ragged { cache_lengths: c.cache_lengths[..c.lens.len()].to_vec(), ..c };
+        match case % 4 {
+            0 => check_ragged::<bf16, bf16, bf16>(&mut rng, &c),
+            1 => check_ragged::<bf16, f32, bf16>(&mut rng, &c),
+            2 => check_ragged::<f16, f16, f32>(&mut rng, &c),
+            _ => check_ragged::<f32, f32, f16>(&mut rng, &c),
+        }
+    }
+}
+
+/// Padded RoPE: every ISA bit for bit, padded rows of `output` untouched, valid lengths 0/1/full.
+#[test]
+fn rope_bshd_every_isa_bit_for_bit() {
+    let mut rng = Rng::new(71);
+    for case in 0..8 {
+        let (batch, seq, hq, hkv, d, page) = (3, 5, rng.range(1, 3), rng.range(1, 2), [8, 32, 128][case % 3], 4);
+        let valid: Vec<u32> = (0..batch).map(|b| [0, 1, seq as u32][(b + case) % 3]).collect();
+        let lens: Vec<u32> = (0..batch).map(|_| rng.range(0, 9) as u32).collect();
+        let new: Vec<usize> = valid.iter().map(|&v| v as usize).collect();
+        let pg = pages(&mut rng, &lens, &new, page, 64);
+        let max_pos = lens.iter().zip(&valid).map(|(&l, &v)| (l + v) as usize).max().unwrap().max(1);
+        let shape = CacheShape::mha(64, 1, page, hkv, d).unwrap();
+        macro_rules! go {
+            ($t:ty) => {{
+                let q: Vec<$t> = (0..batch * seq * hq * d).map(|_| <$t>::from_f32(rng.normal())).collect();
+                let f: Vec<$t> = freqs(max_pos, d);
+                for (interleaved, math) in [(true, RopeMath::F32), (false, RopeMath::MaxCompat), (false, RopeMath::F32)]
+                {
+                    let args = RopeBshdArgs {
+                        q_proj: &q,
+                        batch,
+                        seq_len: seq,
+                        num_q_heads: hq,
+                        freqs_cis: &f,
+                        valid_lengths: &valid,
+                        interleaved,
+                    };
+                    let run = |e: Option<Exec>| {
+                        let mut cache: PagedKvCache<$t> = random_cache(&mut Rng::new(6), shape);
+                        let mut out = vec![<$t>::from_f32(-3.0); q.len()];
+                        let table = PageTable::new(&pg.lookup, pg.cols, &pg.cache_lengths).unwrap();
+                        let mut kv = KvWrite::new(cache.view_mut(), table, 0);
+                        match e {
+                            Some(e) => fast::rope_bshd(&args, &mut out, &mut kv, math, e).unwrap(),
+                            None => reference::rope_bshd(&args, &mut out, &mut kv, math).unwrap(),
+                        }
+                        (bits(&out), bits(cache.data()))
+                    };
+                    let want = run(None);
+                    // Padded rows keep the buffer's contents.
+                    for b in 0..batch {
+                        for s in valid[b] as usize..seq {
+                            let row = &want.0[(b * seq + s) * hq * d..(b * seq + s + 1) * hq * d];
+                            assert!(row.iter().all(|&x| x == Element::to_bits(<$t>::from_f32(-3.0))));
+                        }
+                    }
+                    for e in execs() {
+                        assert_eq!(run(Some(e)), want, "{e:?}");
+                    }
+                }
+            }};
+        }
+        match case % 3 {
+            0 => go!(bf16),
+            1 => go!(f16),
+            _ => go!(f32),
+        }
+    }
+}
+
+/// The fused QKV + RoPE equals the QKV followed by the standalone RoPE, bit for bit, for FP4
+/// (ragged) and bf16 (ragged and BSHD), on every ISA and in both math modes; and the oracle's
+/// fused form equals its unfused form.
+#[test]
+fn fused_rope_equals_qkv_then_rope() {
+    let mut rng = Rng::new(72);
+    for case in 0..6 {
+        let (hd, rd) = [(16, 16), (32, 8), (64, 64)][case % 3];
+        let interleaved = case % 2 == 0;
+        let math = if case % 4 < 2 { RopeMath::F32 } else { RopeMath::MaxCompat };
+        // FP4, ragged, with position ids in odd cases.
+        let c = Config {
+            format: [BlockFormat::Nvfp4, BlockFormat::Mxfp4, BlockFormat::Mxfp8][case % 3],
+            k: 64,
+            lens: vec![3, 0, 5],
+            cache_lengths: vec![2, 0, 9],
+            hq: 2,
+            hkv: 1,
+            hd,
+            page: 4,
+            layers: 1,
+            mla_width: None,
+        };
+        let s = fp4_setup(&mut rng, &c);
+        let m = s.rows.len();
+        let f: Vec<bf16> = freqs(32, rd);
+        let ids: Option<Vec<u32>> = (case % 2 == 1).then(|| (0..m).map(|i| (i * 3 % 31) as u32).collect());
+        let rope = QkvRope {
+            freqs_cis: Freqs::Bf16(&f),
+            q_head_size: hd,
+            rope_dim: rd,
+            interleaved,
+            position_ids: ids.as_deref(),
+            math,
+        };
+        let pw = PackedWeights::new(s.w.as_ref());
+        for e in execs() {
+            let run = |fused: bool| {
+                let mut cache: PagedKvCache<bf16> = random_cache(&mut Rng::new(3), s.shape);
+                let mut q = vec![bf16::ZERO; m * s.q_dim];
+                let table = PageTable::new(&s.pages.lookup, s.pages.cols, &s.pages.cache_lengths).unwrap();
+                let mut kv = KvWrite::new(cache.view_mut(), table, s.layer);
+                let args = QkvFp4PackedArgs {
+                    rope: fused.then_some(rope),
+                    ..QkvFp4PackedArgs::new(s.a.as_ref(), &s.offsets, &pw, s.q_dim)
+                };
+                fast::qkv_fp4_ragged_packed(&args, &mut q, &mut kv, e).unwrap();
+                if !fused {
+                    let qp = q.clone();
+                    let r = RopeRaggedArgs {
+                        q_proj: &qp,
+                        input_row_offsets: &s.offsets,
+                        num_q_heads: s.q_dim / hd,
+                        q_head_size: hd,
+                        freqs_cis: &f,
+                        rope_dim: rd,
+                        position_ids: ids.as_deref(),
+                        interleaved,
+                    };
+                    fast::rope_ragged(&r, &mut q, &mut kv, math, e).unwrap();
+                }
+                (bits(&q), bits(cache.data()))
+            };
+            assert_eq!(run(true), run(false), "fp4 {e:?} case {case}");
+        }
+
+        // bf16, ragged with bias and BSHD with padding.
+        for ragged in [true, false] {
+            let pc = Cfg {
+                ragged,
+                k: 48,
+                lens: vec![4, 1, 0],
+                seq: 4,
+                cache_lengths: vec![3, 0, 7],
+                hq: 2,
+                hkv: 2,
+                hd,
+                page: 4,
+                mla: None,
+                bias: ragged,
+                values: Values::Normal,
+            };
+            let ps = plain_setup::<bf16>(&mut rng, &pc);
+            let rd = if ragged { rd } else { hd };
+            let f: Vec<f32> = freqs(16, rd);
+            let rope = QkvRope {
+                freqs_cis: Freqs::F32(&f),
+                q_head_size: hd,
+                rope_dim: rd,
+                interleaved,
+                position_ids: None,
+                math,
+            };
+            let pw = PackedPlainWeights::new(&ps.w, ps.k).unwrap();
+            let mut all = vec![None];
+            all.extend(execs().into_iter().map(Some));
+            for e in all {
+                let run = |fused: bool| {
+                    let mut cache: PagedKvCache<bf16> = random_cache(&mut Rng::new(4), ps.shape);
+                    let mut q = vec![bf16::from_f32(9.0); ps.rows.len() * ps.q_dim];
+                    let table = PageTable::new(&ps.pages.lookup, ps.pages.cols, &ps.pages.cache_lengths).unwrap();
+                    let mut kv = KvWrite::new(cache.view_mut(), table, ps.layer);
+                    let r = fused.then_some(rope);
+                    match (&ps.offsets, e) {
+                        (Some(offs), Some(e)) => {
+                            let a = QkvRaggedPackedArgs {
+                                hidden_state: &ps.x,
+                                input_row_offsets: offs,
+                                weight: &pw,
+                                bias: ps.bias.as_deref(),
+                                q_dim: ps.q_dim,
+                                rope: r,
+                            };
+                            fast::qkv_ragged_packed(&a, &mut q, &mut kv, e).unwrap();
+                        }
+                        (None, e) => {
+                            let a = QkvBshdArgs {
+                                hidden_state: &ps.x,
+                                batch: ps.batch,
+                                seq_len: ps.seq,
+                                hidden_size: ps.k,
+                                weight: &ps.w,
+                                valid_lengths: &ps.valid,
+                                q_dim: ps.q_dim,
+                                rope: r,
+                            };
+                            match e {
+                                Some(e) => fast::qkv_bshd(&a, &mut q, &mut kv, e).unwrap(),
+                                None => {
+                                    reference::qkv_bshd(&a, &mut q, &mut kv, paged_qkv::Accumulation::Exact).unwrap()
+                                }
+                            }
+                        }
+                        (Some(offs), None) => {
+                            let a = paged_qkv::QkvRaggedArgs {
+                                hidden_state: &ps.x,
+                                input_row_offsets: offs,
+                                weight: &ps.w,
+                                hidden_size: ps.k,
+                                bias: ps.bias.as_deref(),
+                                q_dim: ps.q_dim,
+                                rope: r,
+                            };
+                            reference::qkv_ragged(&a, &mut q, &mut kv, paged_qkv::Accumulation::Exact).unwrap();
+                        }
+                    }
+                    if !fused {
+                        let qp = q.clone();
+                        let ex = e.unwrap_or(Exec::sequential().with_isa(Isa::Scalar));
+                        match &ps.offsets {
+                            Some(offs) => {
+                                let a = RopeRaggedArgs {
+                                    q_proj: &qp,
+                                    input_row_offsets: offs,
+                                    num_q_heads: ps.q_dim / hd,
+                                    q_head_size: hd,
+                                    freqs_cis: &f,
+                                    rope_dim: rd,
+                                    position_ids: None,
+                                    interleaved,
+                                };
+                                match e {
+                                    Some(_) => fast::rope_ragged(&a, &mut q, &mut kv, math, ex).unwrap(),
+                                    None => reference::rope_ragged(&a, &mut q, &mut kv, math).unwrap(),
+                                }
+                            }
+                            None => {
+                                // rope_bshd's freqs are the q dtype: the same table as bf16 would
+                                // round it, so use an f32 table through rope_ragged semantics on
+                                // the valid rows instead: rotate each valid row as its own
+                                // one-token sequence.
+                                for (i, &(b, t, w)) in ps.rows.iter().enumerate() {
+                                    if !w {
+                                        continue;
+                                    }
+                                    let cols = ps.pages.cols;
+                                    let lens = [ps.pages.cache_lengths[b] + t as u32];
+                                    let table = PageTable::new(&ps.pages.lookup[b * cols..(b + 1) * cols], cols, &lens)
+                                        .unwrap();
+                                    let mut kv1 = KvWrite::new(kv.cache.reborrow(), table, ps.layer);
+                                    let row = &qp[i * ps.q_dim..(i + 1) * ps.q_dim];
+                                    let a = RopeRaggedArgs {
+                                        q_proj: row,
+                                        input_row_offsets: &[0, 1],
+                                        num_q_heads: ps.q_dim / hd,
+                                        q_head_size: hd,
+                                        freqs_cis: &f,
+                                        rope_dim: rd,
+                                        position_ids: None,
+                                        interleaved,
+                                    };
+                                    let o = &mut q[i * ps.q_dim..(i + 1) * ps.q_dim];
+                                    match e {
+                                        Some(_) => fast::rope_ragged(&a, o, &mut kv1, math, ex).unwrap(),
+                                        None => reference::rope_ragged(&a, o, &mut kv1, math).unwrap(),
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    (bits(&q), bits(cache.data()))
+                };
+                assert_eq!(run(true), run(false), "bf16 ragged {ragged} {e:?} case {case}");
+            }
+        }
+    }
+}
+
+/// Bad RoPE input is the same error from the oracle and the fast path, fused or not, with
+/// nothing written.
+#[test]
+fn rope_errors_write_nothing() {
+    let shape = CacheShape::mha(8, 1, 4, 1, 8).unwrap();
+    let (lookup, lens) = ([0u32, 1, 2, 3], [0u32, 5]);
+    let q = vec![bf16::ONE; 3 * 2 * 8];
+    let f: Vec<bf16> = freqs(6, 8);
+    let cases: [(&str, RopeRaggedArgs<'_, bf16, bf16>); 3] = [
+        // Sequence 1 has 2 tokens at positions 5 and 6: the table has rows 0..6.
+        (
+            "freqs too short",
+            RopeRaggedArgs {
+                q_proj: &q,
+                input_row_offsets: &[0, 1, 3],
+                num_q_heads: 2,
+                q_head_size: 8,
+                freqs_cis: &f,
+                rope_dim: 8,
+                position_ids: None,
+                interleaved: true,
+            },
+        ),
+        (
+            "odd rope_dim",
+            RopeRaggedArgs {
+                q_proj: &q,
+                input_row_offsets: &[0, 1, 3],
+                num_q_heads: 2,
+                q_head_size: 8,
+                freqs_cis: &f[..35],
+                rope_dim: 7,
+                position_ids: None,
+                interleaved: false,
+            },
+        ),
+        (
+            "position id out of range",
+            RopeRaggedArgs {
+                q_proj: &q,
+                input_row_offsets: &[0, 1, 3],
+                num_q_heads: 2,
+                q_head_size: 8,
+                freqs_cis: &f,
+                rope_dim: 8,
+                position_ids: Some(&[0, 1, 6]),
+                interleaved: false,
+            },
+        ),
+    ];
+    for (what, args) in cases {
+        let mut errs = Vec::new();
+        for e in [None].into_iter().chain(execs().into_iter().map(Some)) {
+            let mut cache: PagedKvCache<bf16> = random_cache(&mut Rng::new(8), shape);
+            let before = bits(cache.data());
+            let mut out = vec![bf16::from_f32(7.0); q.len()];
+            let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&lookup, 2, &lens).unwrap(), 0);
+            let err = match e {
+                Some(e) => fast::rope_ragged(&args, &mut out, &mut kv, RopeMath::F32, e),
+                None => reference::rope_ragged(&args, &mut out, &mut kv, RopeMath::F32),
+            }
+            .expect_err(what);
+            assert_eq!(bits(cache.data()), before, "{what}");
+            assert!(out.iter().all(|&v| v == bf16::from_f32(7.0)), "{what}");
+            errs.push(err);
+        }
+        assert!(errs.windows(2).all(|w| w[0] == w[1]), "{what}: {errs:?}");
+        match what {
+            "odd rope_dim" => assert!(matches!(errs[0], Error::InvalidDim { arg: "rope_dim", .. })),
+            _ => assert!(matches!(errs[0], Error::FreqsRows { .. }), "{what}: {:?}", errs[0]),
+        }
+    }
+    // The same through a fused QKV: the QKV part is valid, the RoPE is not; nothing written.
+    let w = vec![bf16::from_f32(0.5); 32 * 4];
+    let x = vec![bf16::ONE; 3 * 4];
+    let rope = QkvRope {
+        freqs_cis: Freqs::Bf16(&f),
+        q_head_size: 8,
+        rope_dim: 8,
+        interleaved: true,
+        position_ids: Some(&[0, 1, 9]),
+        math: RopeMath::F32,
+    };
+    for e in [None].into_iter().chain(execs().into_iter().map(Some)) {
+        let mut cache: PagedKvCache<bf16> = random_cache(&mut Rng::new(8), shape);
+        let before = bits(cache.data());
+        let mut out = vec![bf16::from_f32(7.0); 3 * 16];
+        let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&lookup, 2, &lens).unwrap(), 0);
+        let args = paged_qkv::QkvRaggedArgs {
+            hidden_state: &x,
+            input_row_offsets: &[0, 1, 3],
+            weight: &w,
+            hidden_size: 4,
+            bias: None,
+            q_dim: 16,
+            rope: Some(rope),
+        };
+        let err = match e {
+            Some(e) => fast::qkv_ragged(&args, &mut out, &mut kv, e),
+            None => reference::qkv_ragged(&args, &mut out, &mut kv, paged_qkv::Accumulation::Exact),
+        }
+        .expect_err("position id 9 is past the table");
+        assert!(matches!(err, Error::FreqsRows { position: 9, rows: 6 }), "{err:?}");
+        assert_eq!(bits(cache.data()), before);
+        assert!(out.iter().all(|&v| v == bf16::from_f32(7.0)));
+    }
+}
+
+/// The fast KV stores equal the oracle's bit for bit (every ISA, K and V, ragged and padded,
+/// every cache dtype from bf16 values).
+#[test]
+fn kv_stores_every_isa() {
+    let mut rng = Rng::new(73);
+    let shape = CacheShape::mha(64, 2, 4, 2, 16).unwrap();
+    let lens = [3usize, 0, 9];
+    let cl = [1u32, 0, 6];
+    let pg = pages(&mut rng, &cl, &lens, 4, 64);
+    let m: usize = lens.iter().sum();
+    let vals: Vec<bf16> = (0..m * 32).map(|_| bf16::from_f32(rng.normal() * 300.0)).collect();
+    let padded: Vec<bf16> = (0..3 * 9 * 32).map(|_| bf16::from_f32(rng.normal() * 300.0)).collect();
+    let offs = offsets(&lens);
+    macro_rules! go {
+        ($c:ty) => {
+            for which in [KvSel::K, KvSel::V] {
+                let run = |e: Option<Exec>, ragged: bool| {
+                    let mut cache: PagedKvCache<$c> = random_cache(&mut Rng::new(2), shape);
+                    let table = PageTable::new(&pg.lookup, pg.cols, &pg.cache_lengths).unwrap();
+                    let mut kv = KvWrite::new(cache.view_mut(), table, 1);
+                    if ragged {
+                        let a = KvStoreRaggedArgs { values: &vals, input_row_offsets: &offs, which };
+                        match e {
+                            Some(e) => fast::kv_store_ragged(&a, &mut kv, e).unwrap(),
+                            None => reference::kv_store_ragged(&a, &mut kv).unwrap(),
+                        }
+                    } else {
+                        let a =
+                            KvStoreBshdArgs { values: &padded, batch: 3, seq_len: 9, valid_lengths: &[3, 0, 9], which };
+                        match e {
+                            Some(e) => fast::kv_store_bshd(&a, &mut kv, e).unwrap(),
+                            None => reference::kv_store_bshd(&a, &mut kv).unwrap(),
+                        }
+                    }
+                    bits(cache.data())
+                };
+                for ragged in [true, false] {
+                    let want = run(None, ragged);
+                    for e in execs() {
+                        assert_eq!(run(Some(e), ragged), want, "{e:?} {which:?}");
+                    }
+                }
+            }
+        };
+    }
+    go!(bf16);
+    go!(f16);
+    go!(f32);
+    go!(paged_qkv::E4M3);
+}
