@@ -105,6 +105,7 @@ fn plain_read_par(bytes: &[u8], threads: usize) -> u64 {
 }
 
 /// `out = x · wᵀ` with the `gemm` crate (f32 or f16), row-major, `w` `[n, k]`.
+#[allow(clippy::too_many_arguments)]
 fn gemm_baseline<T: Copy + 'static>(
     m: usize,
     n: usize,
@@ -321,7 +322,10 @@ mod peak {
     pub fn dpbf16() -> f32 {
         // SAFETY: __m512i and __m512bh are both 64 plain bytes.
         let (x, y): (__m512bh, __m512bh) = unsafe {
-            (std::mem::transmute(_mm512_set1_epi32(0x3F80_3F80)), std::mem::transmute(_mm512_set1_epi32(0x3F80_3F81)))
+            (
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(0x3F80_3F80)),
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(0x3F80_3F81)),
+            )
         };
         let a = chains!(_mm512_setzero_ps(), |acc| _mm512_dpbf16_ps(acc, x, y));
         a.iter().map(|&v| _mm512_reduce_add_ps(v)).sum()

@@ -730,12 +730,7 @@ impl Case {
     /// The fused RoPE of a QKV case that has a `freqs_cis` tensor: metadata `interleaved`
     /// (default `false`) and `q_head_size` (default: the cache's head size); math as for the RoPE
     /// ops (`Sequential` → MAX's rounding sequence, else f32).
-    fn qkv_rope<'f>(
-        &self,
-        freqs: &'f Option<CaseRope>,
-        head: usize,
-        mode: Mode,
-    ) -> Result<Option<ops::QkvRope<'f>>> {
+    fn qkv_rope<'f>(&self, freqs: &'f Option<CaseRope>, head: usize, mode: Mode) -> Result<Option<ops::QkvRope<'f>>> {
         let Some((f, rope_dim, ids)) = freqs else { return Ok(None) };
         let interleaved = if self.meta.contains_key("interleaved") { self.interleaved()? } else { false };
         let q_head_size = if self.meta.contains_key("q_head_size") {
