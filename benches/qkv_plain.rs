@@ -288,29 +288,29 @@ mod peak {
         (ITERS * 24 * per_instr) as u64
     }
 
-    macro_rules! chains {
-        ($zero:expr, $op:expr) => {{
-            let mut a = [$zero; 24];
-            for _ in 0..ITERS {
-                for x in a.iter_mut() {
-                    *x = $op(*x);
-                }
-            }
-            a
-        }};
-    }
-
+    // Explicit loops (a closure inside a `#[target_feature]` function does not inherit the
+    // features, and its intrinsics would become calls).
     #[target_feature(enable = "avx512f")]
     pub fn fma_zmm() -> f32 {
         let (x, y) = (_mm512_set1_ps(1.0001), _mm512_set1_ps(0.9999));
-        let a = chains!(_mm512_setzero_ps(), |acc| _mm512_fmadd_ps(x, y, acc));
+        let mut a = [_mm512_setzero_ps(); 24];
+        for _ in 0..ITERS {
+            for v in a.iter_mut() {
+                *v = _mm512_fmadd_ps(x, y, *v);
+            }
+        }
         a.iter().map(|&v| _mm512_reduce_add_ps(v)).sum()
     }
 
     #[target_feature(enable = "avx2,fma")]
     pub fn fma_ymm() -> f32 {
         let (x, y) = (_mm256_set1_ps(1.0001), _mm256_set1_ps(0.9999));
-        let a = chains!(_mm256_setzero_ps(), |acc| _mm256_fmadd_ps(x, y, acc));
+        let mut a = [_mm256_setzero_ps(); 12];
+        for _ in 0..2 * ITERS {
+            for v in a.iter_mut() {
+                *v = _mm256_fmadd_ps(x, y, *v);
+            }
+        }
         let mut o = [0f32; 8];
         let s = a.iter().fold(_mm256_setzero_ps(), |s, &v| _mm256_add_ps(s, v));
         // SAFETY: o holds 8 f32.
@@ -327,7 +327,12 @@ mod peak {
                 std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(0x3F80_3F81)),
             )
         };
-        let a = chains!(_mm512_setzero_ps(), |acc| _mm512_dpbf16_ps(acc, x, y));
+        let mut a = [_mm512_setzero_ps(); 24];
+        for _ in 0..ITERS {
+            for v in a.iter_mut() {
+                *v = _mm512_dpbf16_ps(*v, x, y);
+            }
+        }
         a.iter().map(|&v| _mm512_reduce_add_ps(v)).sum()
     }
 }

@@ -15,7 +15,7 @@ use super::scatter::SharedMut;
 use crate::cache::{CacheShape, SlotPlan};
 use crate::element::Element;
 use crate::ops::{Freqs, MAX_FUSED_HEAD, QkvRope, RopeMath};
-use crate::simd::rope::{RopeRow, Round, narrow, rotate, widen};
+use crate::simd::rope::{RopeRow, Round, rotate_heads};
 use crate::simd::{GROUP, IsaToken};
 
 /// A destination of finished accumulators.
@@ -123,12 +123,8 @@ impl EpiRope {
         let Some(o) = self.at[row] else { return };
         let rd = self.rope_dim;
         let forms = RopeRow::view(&self.table[o..o + 3 * rd], rd);
-        let at = if self.interleaved { head.len() - rd } else { 0 };
-        let mut x = [0f32; MAX_FUSED_HEAD];
-        let x = &mut x[..rd];
-        widen(self.token, &head[at..at + rd], x);
-        rotate(self.token, x, &forms, self.interleaved, self.round);
-        narrow(self.token, x, &mut head[at..at + rd]);
+        let mut buf = [0f32; MAX_FUSED_HEAD];
+        rotate_heads(self.token, head, (1, head.len()), &forms, self.interleaved, self.round, &mut buf);
     }
 }
 

@@ -9,7 +9,7 @@ use crate::cache::{CacheShape, SlotPlan};
 use crate::element::Element;
 use crate::ops::RopeMath;
 use crate::simd::IsaToken;
-use crate::simd::rope::{RopeRow, Round, narrow, rotate, widen};
+use crate::simd::rope::{RopeRow, Round, narrow, rotate_heads, widen};
 use rayon::prelude::*;
 
 /// Splits `cache` into the disjoint slices `[bases[r], bases[r] + len)` (`None` where a row has no
@@ -35,11 +35,6 @@ pub(crate) fn slot_bases(plan: &SlotPlan, shape: &CacheShape, layer: usize, offs
     plan.rows.iter().map(|s| s.map(|s| shape.slot_base(s.block, layer, s.offset) + offset)).collect()
 }
 
-/// The rotation of one head layout: where the rotary region starts in a head of `head` dims.
-fn region_start(head: usize, rope_dim: usize, interleaved: bool) -> usize {
-    if interleaved { head - rope_dim } else { 0 }
-}
-
 /// What one RoPE call rotates.
 pub(crate) struct RopeSpec<'a, F> {
     pub freqs: &'a [F],
@@ -59,17 +54,6 @@ impl<F: Element> RopeSpec<'_, F> {
         }
     }
 
-    /// Rotates the rotary region of `head` in place (widen, rotate, narrow).
-    pub fn rotate_head<T: Element>(&self, token: IsaToken, head: &mut [T], row: &RopeRow<'_>, buf: &mut [f32]) {
-        let rd = self.rope_dim;
-        let at = region_start(head.len(), rd, self.interleaved);
-        let region = &mut head[at..at + rd];
-        let x = &mut buf[..rd];
-        widen(token, region, x);
-        rotate(token, x, row, self.interleaved, self.round());
-        narrow(token, x, region);
-    }
-
     /// One token: Q heads from `q` into `out`, K heads of its slot `k` in place.
     fn row<T: Element, C: Element>(
         &self,
@@ -85,16 +69,9 @@ impl<F: Element> RopeSpec<'_, F> {
         bufs.1.resize(rd, 0.0);
         RopeRow::fill(&self.freqs[p * rd..(p + 1) * rd], &mut bufs.0);
         let row = RopeRow::view(&bufs.0, rd);
-        let (hq, dq) = self.q_heads;
-        for h in 0..hq {
-            let o = &mut out[h * dq..(h + 1) * dq];
-            o.copy_from_slice(&q[h * dq..(h + 1) * dq]); // the non-rotary dims are copied
-            self.rotate_head(token, o, &row, &mut bufs.1);
-        }
-        let (hk, dk) = self.k_heads;
-        for h in 0..hk {
-            self.rotate_head(token, &mut k[h * dk..(h + 1) * dk], &row, &mut bufs.1);
-        }
+        out.copy_from_slice(q); // the non-rotary dims are copied
+        rotate_heads(token, out, self.q_heads, &row, self.interleaved, self.round(), &mut bufs.1);
+        rotate_heads(token, k, self.k_heads, &row, self.interleaved, self.round(), &mut bufs.1);
     }
 }
 

@@ -155,3 +155,58 @@ pub(crate) fn narrow<T: Element>(token: IsaToken, src: &[f32], dst: &mut [T]) {
         *d = T::from_f32(*s);
     }
 }
+
+/// Rotates the rotary region of each of `heads` consecutive heads of `d` elements of `x` in place
+/// (interleaved: the last `rope_dim` dims of a head, else the first). AVX-512 loads and stores the
+/// element types directly; other ISAs go through `buf` (≥ `rope_dim` f32) with [`widen`],
+/// [`rotate`] and [`narrow`]; the same operations either way.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rotate_heads<T: Element>(
+    token: IsaToken,
+    x: &mut [T],
+    (heads, d): (usize, usize),
+    row: &RopeRow<'_>,
+    interleaved: bool,
+    r: Round,
+    buf: &mut [f32],
+) {
+    let rd = row.f.len();
+    assert!(rd.is_multiple_of(2) && rd <= d && x.len() >= heads * d && buf.len() >= rd);
+    assert!(row.fsw.len() == rd && row.c.len() == rd / 2 && row.s.len() == rd / 2);
+    let at = if interleaved { d - rd } else { 0 };
+    #[cfg(target_arch = "x86_64")]
+    if matches!(token.0, Isa::Avx512 | Isa::Avx512Bf16) {
+        use super::x86::rope::{BF16, F16, F32, heads_avx512};
+        let p = x.as_mut_ptr().cast::<u8>();
+        // SAFETY: the token proves AVX-512 F; x holds heads · d elements of T, whose kind (and so
+        // size) the match selects; the asserts above prove the lengths of `row`.
+        let done = unsafe {
+            match T::DTYPE {
+                DType::BF16 => heads_avx512::<BF16>(p, heads, d, rd, row, interleaved, r),
+                DType::F16 => heads_avx512::<F16>(p, heads, d, rd, row, interleaved, r),
+                DType::F32 => heads_avx512::<F32>(p, heads, d, rd, row, interleaved, r),
+                DType::F8E4M3 => 0,
+            }
+        };
+        if done > 0 || T::DTYPE != DType::F8E4M3 {
+            // The tail pairs (fewer than a vector), one at a time.
+            for h in 0..heads {
+                let head = &mut x[h * d + at..h * d + at + rd];
+                for i in done..rd / 2 {
+                    let (j0, j1) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + rd / 2) };
+                    let (y0, y1) = pair(head[j0].to_f32(), head[j1].to_f32(), row.c[i], row.s[i], r);
+                    head[j0] = T::from_f32(y0);
+                    head[j1] = T::from_f32(y1);
+                }
+            }
+            return;
+        }
+    }
+    for h in 0..heads {
+        let region = &mut x[h * d + at..h * d + at + rd];
+        let b = &mut buf[..rd];
+        widen(token, region, b);
+        rotate(token, b, row, interleaved, r);
+        narrow(token, b, region);
+    }
+}

@@ -4,6 +4,7 @@
 
 #[path = "../oracle/common.rs"]
 mod common;
+mod edges;
 #[path = "../oracle/fp4_setup.rs"]
 mod fp4_setup;
 mod plain;
@@ -58,7 +59,7 @@ fn scalar() -> Exec {
 }
 
 /// Σ_blocks |isum · sa · sb| · |tsf| for (row i, col n), in f64 from the decoded values.
-fn abs_block_sum(s: &Setup, i: usize, n: usize, tsf: f32) -> f64 {
+pub fn abs_block_sum(s: &Setup, i: usize, n: usize, tsf: f32) -> f64 {
     let (a, w) = (s.a.as_ref(), s.w.as_ref());
     let f = a.format();
     let v = f.vector_size();

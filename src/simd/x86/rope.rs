@@ -220,3 +220,102 @@ pub(crate) unsafe fn narrow16(src: &[f32], dst: *mut u16, bf16: bool) {
         unsafe { *dst.add(j) = b };
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Whole heads in place (the standalone RoPE's inner loop): load the element type, rotate, store,
+// with no intermediate buffer.
+
+/// Element types the head kernels load and store directly.
+pub(crate) const BF16: u8 = 0;
+pub(crate) const F16: u8 = 1;
+pub(crate) const F32: u8 = 2;
+
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn load512<const K: u8>(p: *const u8) -> __m512 {
+    // SAFETY: the caller guarantees 16 elements at p.
+    unsafe {
+        match K {
+            BF16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast())))),
+            F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
+            _ => _mm512_loadu_ps(p.cast()),
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn store512<const K: u8>(p: *mut u8, v: __m512) {
+    // SAFETY: the caller guarantees room for 16 elements at p.
+    unsafe {
+        match K {
+            BF16 => {
+                let b = _mm512_srli_epi32::<16>(_mm512_castps_si512(round512(v, Round::Bf16)));
+                _mm256_storeu_si256(p.cast(), _mm512_cvtepi32_epi16(b));
+            }
+            F16 => {
+                _mm256_storeu_si256(p.cast(), _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v))
+            }
+            _ => _mm512_storeu_ps(p.cast(), v),
+        }
+    }
+}
+
+/// Rotates the rotary region of `heads` heads of `d` elements of kind `K` at `x` in place.
+/// Returns the number of pairs per head left to the caller (a tail shorter than a vector).
+///
+/// # Safety
+/// AVX-512 F must be available; `x` holds `heads · d` elements of kind `K` (2 bytes for bf16 and
+/// f16, 4 for f32); `row` holds the forms of `rd` rotary dims (`rd` even, ≤ `d`).
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn heads_avx512<const K: u8>(
+    x: *mut u8,
+    heads: usize,
+    d: usize,
+    rd: usize,
+    row: &RopeRow<'_>,
+    interleaved: bool,
+    r: Round,
+) -> usize {
+    let size = if K == F32 { 4 } else { 2 };
+    let at = if interleaved { d - rd } else { 0 };
+    let sign = _mm512_castsi512_ps(_mm512_set1_epi64(0x8000_0000));
+    let neg = _mm512_set1_ps(-0.0);
+    let done = if interleaved { rd / 16 * 16 } else { rd / 2 / 16 * 16 };
+    for h in 0..heads {
+        let base = x.wrapping_add((h * d + at) * size);
+        if interleaved {
+            for i in (0..done).step_by(16) {
+                // SAFETY: elements i .. i + 16 of the region; f and fsw are rd long.
+                unsafe {
+                    let p = base.add(i * size);
+                    let v = round512(load512::<K>(p), r);
+                    let (x0, x1) = (_mm512_moveldup_ps(v), _mm512_movehdup_ps(v));
+                    let t = round512(_mm512_mul_ps(x1, _mm512_loadu_ps(row.fsw.as_ptr().add(i))), r);
+                    let t = _mm512_xor_ps(t, sign);
+                    let y = round512(_mm512_fmadd_ps(x0, _mm512_loadu_ps(row.f.as_ptr().add(i)), t), r);
+                    store512::<K>(p, y);
+                }
+            }
+        } else {
+            let hh = rd / 2;
+            for i in (0..done).step_by(16) {
+                // SAFETY: elements i .. i + 16 of both halves (hh long); c, s are hh long.
+                unsafe {
+                    let (p0, p1) = (base.add(i * size), base.add((hh + i) * size));
+                    let x0 = round512(load512::<K>(p0), r);
+                    let x1 = round512(load512::<K>(p1), r);
+                    let (c, s) = (_mm512_loadu_ps(row.c.as_ptr().add(i)), _mm512_loadu_ps(row.s.as_ptr().add(i)));
+                    let t1 = round512(_mm512_mul_ps(x1, s), r);
+                    let y0 = round512(_mm512_fmadd_ps(x0, c, _mm512_xor_ps(t1, neg)), r);
+                    let t2 = round512(_mm512_mul_ps(x1, c), r);
+                    let y1 = round512(_mm512_fmadd_ps(x0, s, t2), r);
+                    store512::<K>(p0, y0);
+                    store512::<K>(p1, y1);
+                }
+            }
+        }
+    }
+    if interleaved { done / 2 } else { done }
+}

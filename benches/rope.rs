@@ -1,0 +1,191 @@
+//! Fast RoPE: the standalone operation against a plain copy of the same bytes, and RoPE fused into
+//! the QKV epilogue against the same QKV without RoPE, in the same run.
+//!
+//! `cargo bench --bench rope` (`PAGED_QKV_BENCH_ISA=avx2` forces an ISA, bench-only).
+//! `bytes` groups count the bytes RoPE moves per call: read Q, write the output, read and write
+//! the new K rows; the `copy` baseline copies exactly as many bytes (read and write).
+
+use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main, measurement::WallTime};
+use paged_qkv::fast::{self, PackedPlainWeights, PackedWeights, QkvFp4PackedArgs, QkvRaggedPackedArgs};
+use paged_qkv::formats::quantize::{amax, nvfp4_global_scale, quantize};
+use paged_qkv::ops::{Freqs, QkvRope};
+use paged_qkv::{
+    BlockFormat, CacheShape, Element, Exec, Isa, KvWrite, PageTable, PagedKvCache, RopeMath, RopeRaggedArgs, bf16,
+};
+use std::hint::black_box;
+use std::time::Duration;
+
+struct Model {
+    name: &'static str,
+    k: usize,
+    hq: usize,
+    hkv: usize,
+    hd: usize,
+    theta: f64,
+}
+
+const LLAMA: Model = Model { name: "llama3-8b", k: 4096, hq: 32, hkv: 8, hd: 128, theta: 500000.0 };
+const QWEN: Model = Model { name: "qwen2.5-0.5b", k: 896, hq: 14, hkv: 2, hd: 64, theta: 1000000.0 };
+
+fn pool(threads: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap()
+}
+
+fn exec() -> Exec {
+    let isa = std::env::var("PAGED_QKV_BENCH_ISA").ok().and_then(|s| Isa::from_name(&s));
+    Exec { isa, ..Exec::default() }
+}
+
+fn setup_group<'a>(c: &'a mut Criterion, name: &str) -> BenchmarkGroup<'a, WallTime> {
+    let mut g = c.benchmark_group(name);
+    g.sample_size(10).warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(2));
+    g
+}
+
+fn random<T: Element>(n: usize, seed: u64) -> Vec<T> {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    (0..n).map(|_| T::from_f32(rng.f32() - 0.5)).collect()
+}
+
+/// A paged cache holding `tokens` new tokens of one sequence (pages of 128).
+struct Cache<C> {
+    cache: PagedKvCache<C>,
+    lookup: Vec<u32>,
+}
+
+fn cache_for<C: Element>(m: &Model, tokens: usize) -> Cache<C> {
+    let pages = tokens.div_ceil(128);
+    let shape = CacheShape::mha(pages, 1, 128, m.hkv, m.hd).unwrap();
+    let data = random::<C>(shape.len(), 3);
+    Cache { cache: PagedKvCache::from_vec(shape, data).unwrap(), lookup: (0..pages as u32).collect() }
+}
+
+impl<C: Element> Cache<C> {
+    fn kv(&mut self) -> KvWrite<'_, C> {
+        let table = PageTable::new(&self.lookup, self.lookup.len(), &[0]).unwrap();
+        KvWrite::new(self.cache.view_mut(), table, 0)
+    }
+}
+
+/// Copies `src` to `dst` on 1 or 2 threads.
+fn copy<T: Copy + Send + Sync>(src: &[T], dst: &mut [T], threads: usize) {
+    if threads == 1 {
+        dst.copy_from_slice(src);
+    } else {
+        let h = src.len() / 2;
+        let (d0, d1) = dst.split_at_mut(h);
+        rayon::join(|| d0.copy_from_slice(&src[..h]), || d1.copy_from_slice(&src[h..]));
+    }
+}
+
+/// Standalone ragged RoPE (NeoX halves, f32 math, f32 freqs) vs a copy of the same bytes.
+fn standalone<T: Element>(c: &mut Criterion, dtype: &str) {
+    for m in [LLAMA, QWEN] {
+        for tokens in [1usize, 64, 512, 4096] {
+            let q: Vec<T> = random(tokens * m.hq * m.hd, 1);
+            let mut out = vec![T::default(); q.len()];
+            let freqs = paged_qkv::freqs_cis(tokens, m.hd, m.theta);
+            let mut cache = cache_for::<T>(&m, tokens);
+            let per_token = (m.hq + m.hkv) * m.hd;
+            let bytes = 2 * tokens * per_token * size_of::<T>();
+            let src: Vec<T> = random(tokens * per_token, 2);
+            let mut dst = vec![T::default(); src.len()];
+            let offs = [0, tokens as u32];
+            let mut g = setup_group(c, &format!("rope/{}/{dtype}/t{tokens}/bytes", m.name));
+            g.throughput(Throughput::Bytes(bytes as u64));
+            for threads in [1usize, 2] {
+                let p = pool(threads);
+                g.bench_function(format!("rope_t{threads}"), |b| {
+                    p.install(|| {
+                        b.iter(|| {
+                            let args = RopeRaggedArgs {
+                                q_proj: &q,
+                                input_row_offsets: &offs,
+                                num_q_heads: m.hq,
+                                q_head_size: m.hd,
+                                freqs_cis: &freqs,
+                                rope_dim: m.hd,
+                                position_ids: None,
+                                interleaved: false,
+                            };
+                            fast::rope_ragged(&args, &mut out, &mut cache.kv(), RopeMath::F32, exec()).unwrap()
+                        })
+                    })
+                });
+                g.bench_function(format!("copy_t{threads}"), |b| {
+                    p.install(|| b.iter(|| copy(black_box(&src), &mut dst, threads)))
+                });
+            }
+            g.finish();
+        }
+    }
+}
+
+fn standalone_all(c: &mut Criterion) {
+    standalone::<bf16>(c, "bf16");
+    standalone::<f32>(c, "f32");
+}
+
+/// The fused QKV with RoPE in its epilogue against the same QKV without RoPE (Llama-3-8B shape;
+/// NVFP4 and bf16 weights; bf16 output and cache).
+fn fused(c: &mut Criterion) {
+    let m = LLAMA;
+    let (k, n, q_dim) = (m.k, (m.hq + 2 * m.hkv) * m.hd, m.hq * m.hd);
+    let wf: Vec<f32> = random(n * k, 5);
+    let wq = quantize(BlockFormat::Nvfp4, &wf, n, k, nvfp4_global_scale(amax(&wf))).unwrap();
+    let pw = PackedWeights::new(wq.as_ref());
+    let wb: Vec<bf16> = wf.iter().map(|&x| bf16::from_f32(x / 64.0)).collect();
+    let pb = PackedPlainWeights::new(&wb, k).unwrap();
+    for tokens in [1usize, 64, 512] {
+        let freqs = paged_qkv::freqs_cis(tokens, m.hd, m.theta);
+        let rope = QkvRope {
+            freqs_cis: Freqs::F32(&freqs),
+            q_head_size: m.hd,
+            rope_dim: m.hd,
+            interleaved: false,
+            position_ids: None,
+            math: RopeMath::F32,
+        };
+        let xf: Vec<f32> = random(tokens * k, 6);
+        let a = quantize(BlockFormat::Nvfp4, &xf, tokens, k, nvfp4_global_scale(amax(&xf))).unwrap();
+        let xb: Vec<bf16> = xf.iter().map(|&x| bf16::from_f32(x)).collect();
+        let offs = [0, tokens as u32];
+        let mut out = vec![bf16::ZERO; tokens * q_dim];
+        let mut cache = cache_for::<bf16>(&m, tokens);
+        let mut g = setup_group(c, &format!("fused_rope/{}/m{tokens}/flop", m.name));
+        g.throughput(Throughput::Elements((2 * tokens * n * k) as u64));
+        for threads in [1usize, 2] {
+            let p = pool(threads);
+            for (name, r) in [("qkv", None), ("qkv_rope", Some(rope))] {
+                g.bench_function(format!("nvfp4_{name}_t{threads}"), |b| {
+                    p.install(|| {
+                        b.iter(|| {
+                            let args =
+                                QkvFp4PackedArgs { rope: r, ..QkvFp4PackedArgs::new(a.as_ref(), &offs, &pw, q_dim) };
+                            fast::qkv_fp4_ragged_packed(&args, &mut out, &mut cache.kv(), exec()).unwrap()
+                        })
+                    })
+                });
+                g.bench_function(format!("bf16_{name}_t{threads}"), |b| {
+                    p.install(|| {
+                        b.iter(|| {
+                            let args = QkvRaggedPackedArgs {
+                                hidden_state: &xb,
+                                input_row_offsets: &offs,
+                                weight: &pb,
+                                bias: None,
+                                q_dim,
+                                rope: r,
+                            };
+                            fast::qkv_ragged_packed(&args, &mut out, &mut cache.kv(), exec()).unwrap()
+                        })
+                    })
+                });
+            }
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(benches, standalone_all, fused);
+criterion_main!(benches);

@@ -1,0 +1,442 @@
+"""paged_qkv: fused QKV + paged KV cache + RoPE on the CPU, from numpy.
+
+The exact oracle (the judge of GPU kernels), a checker with the same report as the ``paged-qkv``
+command line, and the crate's fast SIMD kernels. Arrays in and out are numpy arrays:
+
+* packed FP4 data as ``uint8 [rows, K/2]``; FP8 data and all block scales as ``uint8`` (or
+  ``ml_dtypes`` float8 arrays); scales in NVIDIA's 5-D layout (see :func:`scale_index`);
+* bf16 as ``ml_dtypes.bfloat16`` or a 16-bit integer view of the bits (a PyTorch user writes
+  ``t.view(torch.int16).numpy()``), f16 as ``numpy.float16``, f32 as ``numpy.float32``;
+* indices (offsets, cache lengths, the page table, valid lengths, position ids) as any integer
+  array (checked to fit ``uint32``).
+
+Every operation returns its output as a new array and updates ``kv_blocks`` **in place**, after all
+arguments were validated: on error (a ``ValueError`` naming the argument) nothing is written.
+Non-contiguous inputs are copied; ``kv_blocks`` must be C-contiguous and writeable. The GIL is
+released while a kernel runs. ``mode`` is ``"exact"`` (the oracle, exact accumulation),
+``"sequential"`` (MAX's f32 order; RoPE in MAX's rounding sequence) or ``"fast"`` (the SIMD path).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
+
+import numpy as np
+
+from . import _native
+
+try:  # optional: numpy dtypes for bf16 and FP8
+    import ml_dtypes as _ml
+except ImportError:  # pragma: no cover - exercised by the torch/ml_dtypes-free run
+    _ml = None
+
+__all__ = [
+    "Case",
+    "Report",
+    "check",
+    "dequantize",
+    "isa",
+    "kv_store_bshd",
+    "kv_store_ragged",
+    "load_case",
+    "make_case",
+    "qkv_bshd",
+    "qkv_fp4_ragged",
+    "qkv_ragged",
+    "quantize",
+    "rope_bshd",
+    "rope_ragged",
+    "save_case",
+    "scale_index",
+    "scale_offset",
+]
+
+_MODES = ("exact", "sequential", "fast")
+_FORMATS = ("nvfp4", "mxfp4", "mxfp8")
+
+# ----------------------------------------------------------------------------------------------
+# Arrays <-> the native layer's (dtype, shape, bytes) tensors
+
+
+def _wire_dtype(a: np.ndarray, kind: Optional[str]) -> str:
+    """The case-file dtype of an array (``kind`` overrides: "bf16", "f16", "f32")."""
+    name = a.dtype.name
+    if kind is not None:
+        want = {"bf16": "BF16", "bfloat16": "BF16", "f16": "F16", "float16": "F16", "f32": "F32", "float32": "F32"}
+        if kind not in want:
+            raise ValueError(f"dtype: expected bf16, f16 or f32, found {kind!r}")
+        return want[kind]
+    if name == "float32":
+        return "F32"
+    if name == "float16":
+        return "F16"
+    if name == "bfloat16" or (a.dtype.itemsize == 2 and a.dtype.kind in "iu"):
+        return "BF16"
+    if name.startswith("float8_e4m3") or name.startswith("float8_e8m0") or name == "uint8" or name == "int8":
+        return "U8"
+    if a.dtype.kind in "iu":
+        return "U32"
+    raise ValueError(f"unsupported dtype {a.dtype} (expected float32, float16, bfloat16, uint8 or integers)")
+
+
+def _to_wire(name: str, a: Any, kind: Optional[str] = None) -> Tuple[str, str, list, np.ndarray]:
+    a = np.asarray(a)
+    dtype = _wire_dtype(a, kind)
+    if dtype == "U32":
+        if a.size and (a.min() < 0 or a.max() > 0xFFFFFFFF):
+            raise ValueError(f"`{name}`: values must fit uint32")
+        a = a.astype(np.uint32)
+    elif dtype in ("BF16", "F16") and a.dtype.kind in "iu":
+        a = a.view(np.uint16)
+    a = np.ascontiguousarray(a)  # copies a strided or non-contiguous array, never misreads it
+    return (name, dtype, list(a.shape), a.reshape(-1).view(np.uint8))
+
+
+def _from_wire(dtype: str, shape: Iterable[int], data: np.ndarray) -> np.ndarray:
+    shape = tuple(shape)
+    if dtype == "F32":
+        return data.view(np.float32).reshape(shape)
+    if dtype == "F16":
+        return data.view(np.float16).reshape(shape)
+    if dtype == "BF16":
+        return data.view(_ml.bfloat16 if _ml else np.uint16).reshape(shape)
+    if dtype == "U32":
+        return data.view(np.uint32).reshape(shape)
+    if dtype == "F8_E4M3":
+        return data.view(_ml.float8_e4m3fn if _ml else np.uint8).reshape(shape)
+    if dtype == "F4":
+        return data.reshape((shape[0], shape[1] // 2) if len(shape) == 2 else (-1,))
+    return data.reshape(shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# Cases
+
+
+class Case:
+    """One call of one operation: ``op``, metadata and named numpy arrays (MAX's argument names)."""
+
+    def __init__(self, op: str, tensors: Mapping[str, np.ndarray], meta: Optional[Mapping[str, Any]] = None):
+        self.op = op
+        self.tensors: Dict[str, np.ndarray] = dict(tensors)
+        self.meta: Dict[str, str] = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in (meta or {}).items()}
+
+    def _wire(self):
+        return [_to_wire(k, v) for k, v in self.tensors.items()]
+
+    def to_bytes(self) -> bytes:
+        """The safetensors bytes (FP8 and scales as U8: readable by ``safetensors.numpy``)."""
+        return _native.case_to_bytes(self.op, self.meta, self._wire())
+
+    def run(self, mode: str = "exact", threads: Optional[int] = None) -> Dict[str, np.ndarray]:
+        """Runs the case: ``{"output": …, "kv_blocks": …}`` (no ``output`` for the KV stores)."""
+        _check_mode(mode)
+        out = _native.run_case(self.op, self.meta, self._wire(), mode, threads)
+        return {name: _from_wire(d, s, b) for (name, d, s, b) in out}
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in self.tensors.items())
+        return f"Case(op={self.op!r}, meta={self.meta!r}, {shapes})"
+
+
+def load_case(source: Union[str, os.PathLike, bytes]) -> Case:
+    """Reads a case file (a path or its bytes). Scales and FP8 data may be U8, F8_E4M3 or F8_E8M0."""
+    data = source if isinstance(source, (bytes, bytearray)) else open(source, "rb").read()
+    op, meta, tensors = _native.case_from_bytes(bytes(data))
+    return Case(op, {name: _from_wire(d, s, b) for (name, d, s, b) in tensors}, meta)
+
+
+def save_case(path: Union[str, os.PathLike], case: Case) -> None:
+    """Writes a case file (safetensors; FP8 and scales as U8, which ``safetensors.numpy`` loads)."""
+    with open(path, "wb") as f:
+        f.write(case.to_bytes())
+
+
+def make_case(op: str, model: str = "tiny", batch: int = 3, seed: int = 0, format: str = "nvfp4") -> Case:
+    """A realistic random case, as ``paged-qkv make-case`` writes it."""
+    op_, meta, tensors = _native.make_case(op, model, batch, seed, format)
+    return Case(op_, {name: _from_wire(d, s, b) for (name, d, s, b) in tensors}, meta)
+
+
+class Report:
+    """The verdict of :func:`check`: the same report as ``paged-qkv check``."""
+
+    def __init__(self, passed: bool, text: str):
+        self.passed = passed
+        self.text = text
+
+    def assert_ok(self) -> None:
+        """Raises ``AssertionError`` with the report as its message unless the check passed."""
+        if not self.passed:
+            raise AssertionError(self.text)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __repr__(self) -> str:
+        return f"Report(passed={self.passed})"
+
+
+def check(
+    case: Union[Case, str, os.PathLike, bytes],
+    actual: Union[Mapping[str, np.ndarray], str, os.PathLike, bytes],
+    ulps: int = 2,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    mode: str = "exact",
+) -> Report:
+    """Compares a kernel's results (``{"output": …, "kv_blocks": …}`` or a safetensors file)
+    with the oracle on ``case``: an element passes within ``atol + rtol·|ref|`` or within ``ulps``
+    units in the last place of its dtype; cache elements the operation does not write must be
+    unchanged. Returns a :class:`Report` (``report.assert_ok()`` makes a pytest one line)."""
+    _check_mode(mode)
+    if not isinstance(case, Case):
+        case = load_case(case)
+    if isinstance(actual, Mapping):
+        act = [_to_wire(k, v, _kind_like(case.tensors.get(k))) for k, v in actual.items()]
+    else:
+        act = load_case_tensors(actual)
+    passed, text = _native.check_case(case.op, case.meta, case._wire(), act, atol, rtol, ulps, mode)
+    return Report(passed, text)
+
+
+def load_case_tensors(source: Union[str, os.PathLike, bytes]):
+    data = source if isinstance(source, (bytes, bytearray)) else open(source, "rb").read()
+    return _native.tensors_from_bytes(bytes(data))
+
+
+def _kind_like(a: Optional[np.ndarray]) -> Optional[str]:
+    """A 16-bit integer array compared with a case tensor is read as that tensor's dtype."""
+    if a is None:
+        return None
+    if a.dtype.name == "float16":
+        return "f16"
+    return None
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in _MODES:
+        raise ValueError(f"mode: expected one of {', '.join(_MODES)}, found {mode!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Formats
+
+
+def quantize(x: np.ndarray, format: str, global_scale: Optional[float] = None):
+    """Quantizes a ``[rows, K]`` matrix: ``(codes, scales_5d, tensor_scale)``.
+
+    ``codes`` is packed FP4 ``uint8 [rows, K/2]`` (element ``2j`` in the low nibble of byte ``j``)
+    or E4M3 ``uint8 [rows, K]``; ``scales_5d`` is ``uint8 [ceil(rows/128), ceil(ceil(K/V)/4), 32, 4,
+    4]``; ``tensor_scale`` multiplies the dequantized values (NVFP4: ``1 / global_scale``, by
+    default NVIDIA's ``448·6 / amax``)."""
+    if format not in _FORMATS:
+        raise ValueError(f"format: expected one of {', '.join(_FORMATS)}, found {format!r}")
+    x = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+    if x.ndim != 2:
+        raise ValueError(f"`x`: expected a [rows, K] matrix, found shape {x.shape}")
+    rows, k = x.shape
+    codes, scales, shape5, ts = _native.quantize(x.reshape(-1), rows, k, format, global_scale)
+    cols = k // 2 if format != "mxfp8" else k
+    return codes.reshape(rows, cols), scales.reshape(shape5), ts
+
+
+def dequantize(codes: np.ndarray, scales: np.ndarray, format: str, tensor_scale: float = 1.0, k: Optional[int] = None):
+    """The float32 ``[rows, K]`` values of quantized data (``tensor_scale · dec(code) · dec(scale)``)."""
+    codes = np.ascontiguousarray(np.asarray(codes).view(np.uint8))
+    rows = codes.shape[0]
+    if k is None:
+        k = codes.shape[1] * (2 if format != "mxfp8" else 1)
+    sc = np.ascontiguousarray(np.asarray(scales).view(np.uint8)).reshape(-1)
+    return _native.dequantize(codes.reshape(-1), sc, rows, k, format, tensor_scale).reshape(rows, k)
+
+
+def scale_index(row: int, kb: int) -> Tuple[int, int, int, int, int]:
+    """The 5-D coordinate of the scale of ``row``, k-block ``kb``:
+    ``(row // 128, kb // 4, row % 32, (row % 128) // 32, kb % 4)``."""
+    return (row // 128, kb // 4, row % 32, (row % 128) // 32, kb % 4)
+
+
+def scale_offset(row: int, kb: int, k_blocks: int) -> int:
+    """The flat byte offset of that scale in a tensor with ``k_blocks`` blocks per row."""
+    return _native.scale_offset(row, kb, k_blocks)
+
+
+def isa() -> str:
+    """The instruction set the fast paths use on this CPU."""
+    return _native.isa()
+
+
+# ----------------------------------------------------------------------------------------------
+# Operations (MAX's argument names)
+
+
+def _page_table(case: Dict[str, Any], kv_blocks, cache_lengths, kv_lookup_table) -> None:
+    if not (isinstance(kv_blocks, np.ndarray) and kv_blocks.flags.c_contiguous and kv_blocks.flags.writeable):
+        raise ValueError("`kv_blocks`: must be a C-contiguous, writeable numpy array (it is updated in place)")
+    case["kv_blocks"] = kv_blocks
+    case["cache_lengths"] = np.asarray(cache_lengths)
+    case["kv_lookup_table"] = np.asarray(kv_lookup_table)
+
+
+def _run(op: str, tensors: Dict[str, Any], meta: Dict[str, Any], mode: str, threads: Optional[int]):
+    kv = tensors["kv_blocks"]
+    res = Case(op, tensors, meta).run(mode, threads)
+    # Validation passed and the op ran: now (and only now) write the caller's cache.
+    np.copyto(kv.reshape(-1).view(np.uint8), res["kv_blocks"].reshape(-1).view(np.uint8))
+    return res.get("output")
+
+
+def _zeros(shape, dtype: str):
+    if dtype in ("bf16", "bfloat16"):
+        return np.zeros(shape, dtype=_ml.bfloat16 if _ml else np.uint16)
+    return np.zeros(shape, dtype={"f16": np.float16, "float16": np.float16, "f32": np.float32, "float32": np.float32}[dtype])
+
+
+def _dtype_of(a: np.ndarray) -> str:
+    return {"F32": "f32", "F16": "f16", "BF16": "bf16"}.get(_wire_dtype(a, None), "bf16")
+
+
+def _rope_meta(meta: Dict[str, Any], tensors: Dict[str, Any], rope: Optional[Mapping[str, Any]]) -> None:
+    """A fused RoPE: ``{"freqs_cis": …, "interleaved": bool, "q_head_size": int, "position_ids": …}``."""
+    if rope is None:
+        return
+    tensors["freqs_cis"] = rope["freqs_cis"]
+    meta["interleaved"] = bool(rope.get("interleaved", False))
+    if "q_head_size" in rope:
+        meta["q_head_size"] = int(rope["q_head_size"])
+    if rope.get("position_ids") is not None:
+        tensors["position_ids"] = np.asarray(rope["position_ids"])
+
+
+def qkv_fp4_ragged(
+    hidden_state, input_scale, input_row_offsets, weight, weight_scale, kv_blocks, cache_lengths,
+    kv_lookup_table, layer_idx: int, tensor_sf: float, *, format: str = "nvfp4", q_dim: Optional[int] = None,
+    output_dtype: str = "bf16", rope: Optional[Mapping[str, Any]] = None, mode: str = "exact",
+    threads: Optional[int] = None,
+):
+    """MAX's ``fused_qkv_matmul_kv_cache_paged_ragged_scale_float4``: returns Q ``[M, q_dim]``,
+    writes K/V into ``kv_blocks``. ``q_dim`` defaults to ``N − 2·num_kv_heads·head_size``."""
+    hidden_state = np.asarray(hidden_state)
+    n = np.asarray(weight).shape[0]
+    if q_dim is None:
+        q_dim = n - 2 * kv_blocks.shape[4] * kv_blocks.shape[5]
+    t: Dict[str, Any] = {
+        "hidden_state": hidden_state.view(np.uint8),
+        "input_scale": np.asarray(input_scale).view(np.uint8),
+        "input_row_offsets": np.asarray(input_row_offsets),
+        "weight": np.asarray(weight).view(np.uint8),
+        "weight_scale": np.asarray(weight_scale).view(np.uint8),
+        "output": _zeros((hidden_state.shape[0], q_dim), output_dtype),
+    }
+    _page_table(t, kv_blocks, cache_lengths, kv_lookup_table)
+    meta = {"format": format, "tensor_sf": repr(float(tensor_sf)), "layer_idx": int(layer_idx)}
+    _rope_meta(meta, t, rope)
+    return _run("qkv_fp4_ragged", t, meta, mode, threads)
+
+
+def qkv_ragged(
+    hidden_state, input_row_offsets, weight, kv_blocks, cache_lengths, kv_lookup_table, layer_idx: int, *,
+    bias=None, q_dim: Optional[int] = None, output_dtype: Optional[str] = None,
+    rope: Optional[Mapping[str, Any]] = None, mode: str = "exact", threads: Optional[int] = None,
+):
+    """MAX's ``fused_qkv_matmul_kv_cache_paged_ragged`` (``_bias`` with ``bias``): bf16/f16/f32
+    ``hidden_state [M, K]`` and ``weight [N, K]`` of one dtype; returns Q ``[M, q_dim]``."""
+    hidden_state, weight = np.asarray(hidden_state), np.asarray(weight)
+    if q_dim is None:
+        q_dim = weight.shape[0] - 2 * kv_blocks.shape[4] * kv_blocks.shape[5]
+    t: Dict[str, Any] = {
+        "hidden_state": hidden_state,
+        "input_row_offsets": np.asarray(input_row_offsets),
+        "weight": weight,
+        "output": _zeros((hidden_state.shape[0], q_dim), output_dtype or _dtype_of(hidden_state)),
+    }
+    if bias is not None:
+        t["bias"] = np.asarray(bias)
+    _page_table(t, kv_blocks, cache_lengths, kv_lookup_table)
+    meta: Dict[str, Any] = {"layer_idx": int(layer_idx)}
+    _rope_meta(meta, t, rope)
+    return _run("qkv_ragged", t, meta, mode, threads)
+
+
+def qkv_bshd(
+    hidden_state, weight, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx: int, *,
+    q_dim: Optional[int] = None, output_dtype: Optional[str] = None, rope: Optional[Mapping[str, Any]] = None,
+    mode: str = "exact", threads: Optional[int] = None,
+):
+    """MAX's ``fused_qkv_matmul_kv_cache_bshd_paged``: padded ``hidden_state [batch, seq, K]``;
+    Q ``[batch, seq, q_dim]`` for every position, K/V for ``t < valid_lengths[b]``."""
+    hidden_state, weight = np.asarray(hidden_state), np.asarray(weight)
+    if q_dim is None:
+        q_dim = weight.shape[0] - 2 * kv_blocks.shape[4] * kv_blocks.shape[5]
+    b, s = hidden_state.shape[0], hidden_state.shape[1]
+    t: Dict[str, Any] = {
+        "hidden_state": hidden_state,
+        "weight": weight,
+        "valid_lengths": np.asarray(valid_lengths),
+        "output": _zeros((b, s, q_dim), output_dtype or _dtype_of(hidden_state)),
+    }
+    _page_table(t, kv_blocks, cache_lengths, kv_lookup_table)
+    meta: Dict[str, Any] = {"layer_idx": int(layer_idx)}
+    _rope_meta(meta, t, rope)
+    return _run("qkv_bshd", t, meta, mode, threads)
+
+
+def rope_bshd(
+    q_proj, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx: int, *,
+    interleaved: bool = True, output=None, mode: str = "exact", threads: Optional[int] = None,
+):
+    """MAX's ``fused_qk_rope_bshd_paged``: rotates ``q_proj [batch, seq, heads, D]`` into the
+    returned output (padded rows keep ``output``'s contents, zeros by default) and the new K in
+    ``kv_blocks``. ``freqs_cis`` has ``q_proj``'s dtype."""
+    q_proj = np.asarray(q_proj)
+    out = np.zeros_like(q_proj) if output is None else np.asarray(output)
+    t: Dict[str, Any] = {"q_proj": q_proj, "freqs_cis": np.asarray(freqs_cis), "valid_lengths": np.asarray(valid_lengths), "output": out}
+    _page_table(t, kv_blocks, cache_lengths, kv_lookup_table)
+    return _run("rope_bshd", t, {"layer_idx": int(layer_idx), "interleaved": bool(interleaved)}, mode, threads)
+
+
+def rope_ragged(
+    q_proj, input_row_offsets, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, layer_idx: int, *,
+    interleaved: bool = False, position_ids=None, mode: str = "exact", threads: Optional[int] = None,
+):
+    """MAX's ``fused_qk_rope_ragged``: ``q_proj [M, heads, Dq]``, ``freqs_cis [rows, rope_dim]``
+    (f32 or ``q_proj``'s dtype; ``rope_dim`` < the head size rotates part of each head), optional
+    ``position_ids [M]``."""
+    q_proj = np.asarray(q_proj)
+    t: Dict[str, Any] = {
+        "q_proj": q_proj,
+        "input_row_offsets": np.asarray(input_row_offsets),
+        "freqs_cis": np.asarray(freqs_cis),
+        "output": np.zeros_like(q_proj),
+    }
+    if position_ids is not None:
+        t["position_ids"] = np.asarray(position_ids)
+    _page_table(t, kv_blocks, cache_lengths, kv_lookup_table)
+    return _run("rope_ragged", t, {"layer_idx": int(layer_idx), "interleaved": bool(interleaved)}, mode, threads)
+
+
+def kv_store_ragged(
+    values, input_row_offsets, kv_blocks, cache_lengths, kv_lookup_table, layer_idx: int, *, cache: str = "k",
+    mode: str = "exact", threads: Optional[int] = None,
+) -> None:
+    """MAX's ``kv_cache_store_ragged``: stores ``values [M, kv_heads, D]`` as K (or V) at
+    ``cache_lengths[b] + t``."""
+    t: Dict[str, Any] = {"hidden_state": np.asarray(values), "input_row_offsets": np.asarray(input_row_offsets)}
+    _page_table(t, kv_blocks, cache_lengths, kv_lookup_table)
+    _run("kv_store_ragged", t, {"layer_idx": int(layer_idx), "cache": cache}, mode, threads)
+
+
+def kv_store_bshd(
+    values, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx: int, *, cache: str = "k",
+    mode: str = "exact", threads: Optional[int] = None,
+) -> None:
+    """MAX's ``kv_cache_store_padded``: stores ``values [batch, seq, kv_heads, D]`` for
+    ``t < valid_lengths[b]``."""
+    t: Dict[str, Any] = {"hidden_state": np.asarray(values), "valid_lengths": np.asarray(valid_lengths)}
+    _page_table(t, kv_blocks, cache_lengths, kv_lookup_table)
+    _run("kv_store_bshd", t, {"layer_idx": int(layer_idx), "cache": cache}, mode, threads)

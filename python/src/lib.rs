@@ -1,0 +1,228 @@
+//! The native half of the `paged_qkv` Python package: a thin layer over the crate's case files
+//! (the same code paths as the `paged-qkv` command line), quantizers and 5-D layout. Tensors cross
+//! as `(name, dtype, shape, uint8 array)`; the Python half maps numpy dtypes. Every error is a
+//! `ValueError` carrying the crate's one-line message, raised before anything is written; the GIL
+//! is released while a case runs.
+
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
+use paged_qkv::case::{self, Case, Dtype, Mode, Op, Tensor, Tolerance};
+use paged_qkv::formats::scale_layout::ScaleLayout;
+use paged_qkv::formats::{BlockFormat, QuantizedRef, quantize as q};
+use paged_qkv::{Exec, Isa, Par};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use std::collections::BTreeMap;
+
+/// A tensor as it crosses into Python.
+type Wire<'py> = (String, String, Vec<usize>, Bound<'py, PyArray1<u8>>);
+/// A tensor as it comes from Python.
+type WireIn<'py> = (String, String, Vec<usize>, PyReadonlyArray1<'py, u8>);
+
+fn err(e: impl std::fmt::Display) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+fn tensors_in(tensors: Vec<WireIn<'_>>) -> PyResult<BTreeMap<String, Tensor>> {
+    tensors
+        .into_iter()
+        .map(|(name, dtype, shape, data)| {
+            let dtype = Dtype::from_name(&dtype).ok_or_else(|| err(format!("`{name}`: unknown dtype {dtype}")))?;
+            let data = data.as_slice().map_err(|_| err(format!("`{name}`: not contiguous")))?.to_vec();
+            Ok((name, Tensor { dtype, shape, data }))
+        })
+        .collect()
+}
+
+fn tensors_out<'py>(py: Python<'py>, t: impl IntoIterator<Item = (String, Tensor)>) -> Vec<Wire<'py>> {
+    t.into_iter().map(|(name, t)| (name, t.dtype.name(), t.shape, t.data.into_pyarray(py))).collect()
+}
+
+fn case_in(op: &str, meta: BTreeMap<String, String>, tensors: Vec<WireIn<'_>>) -> PyResult<Case> {
+    let op = Op::from_name(op)
+        .ok_or_else(|| err(format!("op: expected one of {}, found `{op}`", Op::ALL.map(Op::name).join(", "))))?;
+    Ok(Case { op, meta, tensors: tensors_in(tensors)? })
+}
+
+fn mode(m: &str) -> PyResult<Mode> {
+    match m {
+        "exact" => Ok(Mode::Exact),
+        "sequential" => Ok(Mode::Sequential),
+        "fast" => Ok(Mode::Fast),
+        _ => Err(err(format!("mode: expected exact, sequential or fast, found `{m}`"))),
+    }
+}
+
+fn format(f: &str) -> PyResult<BlockFormat> {
+    BlockFormat::from_name(f).ok_or_else(|| err(format!("format: expected nvfp4, mxfp4 or mxfp8, found `{f}`")))
+}
+
+/// Runs a case: `[(name, dtype, shape, bytes)]` for `output` (if the op has one) and `kv_blocks`.
+#[pyfunction]
+#[pyo3(signature = (op, meta, tensors, mode_name, threads=None))]
+fn run_case<'py>(
+    py: Python<'py>,
+    op: &str,
+    meta: BTreeMap<String, String>,
+    tensors: Vec<WireIn<'py>>,
+    mode_name: &str,
+    threads: Option<usize>,
+) -> PyResult<Vec<Wire<'py>>> {
+    let c = case_in(op, meta, tensors)?;
+    let m = mode(mode_name)?;
+    if threads == Some(0) {
+        return Err(err("threads: must be at least 1"));
+    }
+    let (out, kv) = py
+        .detach(|| -> Result<_, String> {
+            let pool = match threads {
+                Some(n) => Some(rayon::ThreadPoolBuilder::new().num_threads(n).build().map_err(|e| e.to_string())?),
+                None => None,
+            };
+            let exec = Exec { par: if threads == Some(1) { Par::Sequential } else { Par::Rayon }, isa: None };
+            let run = || c.run(m, exec).map_err(|e| e.to_string());
+            match pool {
+                Some(p) => p.install(run),
+                None => run(),
+            }
+        })
+        .map_err(err)?;
+    let mut res: Vec<(String, Tensor)> = Vec::new();
+    if let Some(o) = out {
+        res.push(("output".into(), o));
+    }
+    res.push(("kv_blocks".into(), kv));
+    Ok(tensors_out(py, res))
+}
+
+/// `check`: `(passed, report text)` — the report `paged-qkv check` prints.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn check_case(
+    py: Python<'_>,
+    op: &str,
+    meta: BTreeMap<String, String>,
+    tensors: Vec<WireIn<'_>>,
+    actual: Vec<WireIn<'_>>,
+    atol: f64,
+    rtol: f64,
+    ulps: u64,
+    mode_name: &str,
+) -> PyResult<(bool, String)> {
+    let c = case_in(op, meta, tensors)?;
+    let actual = tensors_in(actual)?;
+    let m = mode(mode_name)?;
+    let report = py.detach(|| case::check(&c, &actual, Tolerance { atol, rtol, ulps }, m)).map_err(err)?;
+    Ok((report.passed, report.text))
+}
+
+/// A case's safetensors bytes (FP8 and scales as U8).
+#[pyfunction]
+fn case_to_bytes<'py>(
+    py: Python<'py>,
+    op: &str,
+    meta: BTreeMap<String, String>,
+    tensors: Vec<WireIn<'py>>,
+) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+    let b = case_in(op, meta, tensors)?.to_bytes().map_err(err)?;
+    Ok(pyo3::types::PyBytes::new(py, &b))
+}
+
+/// `(op, metadata, tensors)` of a case file.
+#[pyfunction]
+fn case_from_bytes<'py>(py: Python<'py>, data: &[u8]) -> PyResult<(String, BTreeMap<String, String>, Vec<Wire<'py>>)> {
+    let c = Case::from_bytes(data).map_err(err)?;
+    let mut meta = c.meta;
+    meta.remove("op");
+    Ok((c.op.name().into(), meta, tensors_out(py, c.tensors)))
+}
+
+/// The tensors of any safetensors file (a kernel's results).
+#[pyfunction]
+fn tensors_from_bytes<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Vec<Wire<'py>>> {
+    Ok(tensors_out(py, case::load_tensors(data).map_err(err)?))
+}
+
+/// A random case, as `paged-qkv make-case` writes it.
+#[pyfunction]
+fn make_case<'py>(
+    py: Python<'py>,
+    op: &str,
+    model: &str,
+    batch: usize,
+    seed: u64,
+    fmt: &str,
+) -> PyResult<(String, BTreeMap<String, String>, Vec<Wire<'py>>)> {
+    let o = Op::from_name(op).ok_or_else(|| err(format!("op: unknown `{op}`")))?;
+    let m = case::model(model)
+        .ok_or_else(|| err(format!("model: expected llama3-8b, qwen2.5-0.5b or tiny, found `{model}`")))?;
+    let c = case::make(o, m, batch, seed, format(fmt)?).map_err(err)?;
+    Ok((c.op.name().into(), c.meta, tensors_out(py, c.tensors)))
+}
+
+/// `(codes, scales, 5-D shape, tensor_scale)` of a `[rows, k]` f32 matrix.
+#[pyfunction]
+#[pyo3(signature = (x, rows, k, fmt, global_scale=None))]
+fn quantize<'py>(
+    py: Python<'py>,
+    x: PyReadonlyArray1<'py, f32>,
+    rows: usize,
+    k: usize,
+    fmt: &str,
+    global_scale: Option<f32>,
+) -> PyResult<(Bound<'py, PyArray1<u8>>, Bound<'py, PyArray1<u8>>, [usize; 5], f32)> {
+    let f = format(fmt)?;
+    let x = x.as_slice().map_err(|_| err("`x`: not contiguous"))?;
+    let g = global_scale.unwrap_or_else(|| q::nvfp4_global_scale(q::amax(x)));
+    let m = py.detach(|| q::quantize(f, x, rows, k, g)).map_err(err)?;
+    let shape = ScaleLayout::for_operand(rows, k, f.vector_size()).shape();
+    let ts = m.tensor_scale();
+    let (data, scales, _) = m.into_parts();
+    Ok((data.into_pyarray(py), scales.into_pyarray(py), shape, ts))
+}
+
+/// The f32 values of quantized data.
+#[pyfunction]
+fn dequantize<'py>(
+    py: Python<'py>,
+    codes: PyReadonlyArray1<'py, u8>,
+    scales: PyReadonlyArray1<'py, u8>,
+    rows: usize,
+    k: usize,
+    fmt: &str,
+    tensor_scale: f32,
+) -> PyResult<Bound<'py, PyArray1<f32>>> {
+    let f = format(fmt)?;
+    let (c, s) = (codes.as_slice().map_err(err)?, scales.as_slice().map_err(err)?);
+    let r = QuantizedRef::new(f, rows, k, c, s).map_err(err)?;
+    Ok(q::dequantize(r, tensor_scale).into_pyarray(py))
+}
+
+/// The flat offset of the scale of (row, kb) in the 5-D layout.
+#[pyfunction]
+fn scale_offset(row: usize, kb: usize, k_blocks: usize) -> PyResult<usize> {
+    if kb >= k_blocks {
+        return Err(err(format!("kb: expected < k_blocks {k_blocks}, found {kb}")));
+    }
+    Ok(ScaleLayout::new(row + 1, k_blocks).offset(row, kb))
+}
+
+/// The best ISA of this CPU.
+#[pyfunction]
+fn isa() -> &'static str {
+    Isa::best().name()
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(run_case, m)?)?;
+    m.add_function(wrap_pyfunction!(check_case, m)?)?;
+    m.add_function(wrap_pyfunction!(case_to_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(case_from_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(tensors_from_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(make_case, m)?)?;
+    m.add_function(wrap_pyfunction!(quantize, m)?)?;
+    m.add_function(wrap_pyfunction!(dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(scale_offset, m)?)?;
+    m.add_function(wrap_pyfunction!(isa, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,115 @@
+//! Case files under adversarial input: tiny files never ask for unbounded memory, naming never
+//! divides by zero, every tensor's shape is checked, and `Error`'s messages never overflow.
+
+use paged_qkv::case::{self, Case, Dtype, Mode, Op, Tensor};
+use paged_qkv::{Error, Exec};
+
+fn tiny(op: Op) -> Case {
+    case::make(op, case::model("tiny").unwrap(), 3, 1, paged_qkv::BlockFormat::Nvfp4).unwrap()
+}
+
+fn with(c: &Case, name: &str, t: Tensor) -> Case {
+    let mut c = c.clone();
+    c.tensors.insert(name.into(), t);
+    Case::from_bytes(&c.to_bytes().unwrap()).unwrap()
+}
+
+/// A zero-sized tensor with an enormous other dimension: before, `written()` sized its row list
+/// by that dimension (26 TB, SIGABRT). Now every count is bounded by the file.
+#[test]
+fn written_never_allocates_beyond_the_file() {
+    for op in Op::ALL {
+        let c = tiny(op);
+        let x = if matches!(op, Op::RopeBshd | Op::RopeRagged) { "q_proj" } else { "hidden_state" };
+        let dt = c.tensors[x].dtype;
+        for shape in [vec![u32::MAX as usize, 0], vec![0, u32::MAX as usize, 0], vec![0, u32::MAX as usize, 4]] {
+            let c2 = with(&c, x, Tensor { dtype: dt, shape, data: vec![] });
+            let t = std::time::Instant::now();
+            let _ = c2.written();
+            let _ = c2.run(Mode::Exact, Exec::sequential());
+            assert!(t.elapsed().as_secs() < 5, "{op:?} took too long");
+        }
+        // BSHD: valid_lengths with more entries than the batch dimension.
+        if matches!(op, Op::QkvBshd | Op::KvStoreBshd | Op::RopeBshd) {
+            let v = Tensor::from_u32(vec![1000], &[5; 1000]);
+            let c2 = with(&c, "valid_lengths", v);
+            assert!(c2.written().is_err(), "{op:?}");
+        }
+    }
+}
+
+/// `name_output` on an `output` with a zero or huge dimension names `#i` instead of dividing by 0
+/// or overflowing.
+#[test]
+fn naming_never_divides_by_zero() {
+    for op in [Op::QkvFp4Ragged, Op::QkvBshd, Op::RopeBshd, Op::RopeRagged] {
+        let c = tiny(op);
+        let dt = c.tensors["output"].dtype;
+        for shape in
+            [vec![0, 0], vec![1, 0, 0], vec![0, 0, 0, 0], vec![2, usize::MAX / 2, 3, 5], vec![1, 1 << 40, 1 << 40]]
+        {
+            let c2 = Case {
+                tensors: c
+                    .tensors
+                    .clone()
+                    .into_iter()
+                    .chain([("output".to_string(), Tensor { dtype: dt, shape, data: vec![] })])
+                    .collect(),
+                ..c.clone()
+            };
+            for i in [0, 7, usize::MAX] {
+                assert!(!c2.name_output(i).is_empty());
+            }
+        }
+    }
+}
+
+/// Every tensor's shape is checked, not only its element count: `run` and `check` agree.
+#[test]
+fn lax_shapes_are_errors() {
+    let c = tiny(Op::QkvFp4Ragged);
+    let lens = c.tensors["cache_lengths"].clone();
+    let bad = with(&c, "cache_lengths", Tensor { shape: vec![1, lens.shape[0]], ..lens });
+    assert!(bad.run(Mode::Fast, Exec::sequential()).is_err(), "cache_lengths of rank 2");
+    let offs = c.tensors["input_row_offsets"].clone();
+    let bad = with(&c, "input_row_offsets", Tensor { shape: vec![offs.shape[0], 1], ..offs });
+    assert!(bad.run(Mode::Fast, Exec::sequential()).is_err(), "input_row_offsets of rank 2");
+    let c = tiny(Op::KvStoreRagged);
+    let x = c.tensors["hidden_state"].clone();
+    let flat = x.shape.iter().product::<usize>();
+    let bad = with(&c, "hidden_state", Tensor { shape: vec![x.shape[0], flat / x.shape[0]], ..x.clone() });
+    let e = bad.run(Mode::Fast, Exec::sequential()).unwrap_err();
+    assert!(e.0.contains("hidden_state"), "{e}");
+    let bad = with(&c, "hidden_state", Tensor { shape: vec![x.shape[0], x.shape[2], x.shape[1]], ..x });
+    assert!(bad.run(Mode::Exact, Exec::sequential()).is_err(), "heads and head size swapped");
+    // Strictness does not reject the files make-case writes (every op, every mode).
+    for op in Op::ALL {
+        for mode in [Mode::Fast, Mode::Exact, Mode::Sequential] {
+            tiny(op).run(mode, Exec::sequential()).unwrap();
+        }
+    }
+}
+
+/// `Error`'s `Display` with extreme fields: no overflow (a panic with overflow checks), no wrong
+/// arithmetic.
+#[test]
+fn error_display_never_overflows() {
+    let e = Error::ColumnSplit { n: 0, q_dim: usize::MAX, kv_width: usize::MAX, mla: false };
+    let s = e.to_string();
+    assert!(s.contains(&(usize::MAX as u128 * 3).to_string()), "{s}");
+    let e = Error::Shape { arg: "x", expected: paged_qkv::Expected::Dims(vec![usize::MAX, 4]), found: 3 };
+    assert!(e.to_string().contains("overflows"), "{e}");
+}
+
+/// A q_dim from an `output` of shape `[0, 2^64 − 1]` is rejected by validation (the column split)
+/// instead of reaching arithmetic.
+#[test]
+fn huge_q_dim_is_rejected() {
+    let c = tiny(Op::QkvFp4Ragged);
+    let o = c.tensors["output"].clone();
+    let bad = with(&c, "output", Tensor { dtype: o.dtype, shape: vec![0, usize::MAX], data: vec![] });
+    for mode in [Mode::Fast, Mode::Exact] {
+        assert!(bad.run(mode, Exec::sequential()).is_err());
+    }
+    assert_eq!(o.dtype, Dtype::BF16);
+}
