@@ -190,6 +190,10 @@ impl Dtype {
     pub fn name(self) -> String {
         format!("{:?}", self.to_st())
     }
+    /// Parses [`name`](Self::name).
+    pub fn from_name(s: &str) -> Option<Dtype> {
+        DTYPES.iter().map(|d| d.0).find(|d| d.name() == s)
+    }
 }
 
 impl fmt::Display for Dtype {
@@ -951,6 +955,81 @@ impl Case {
             Err(_) => format!("#{i}"),
         }
     }
+}
+
+/// The verdict of a kernel's results against the reference: what `paged-qkv check` prints.
+#[derive(Debug, Clone)]
+pub struct Report {
+    /// Every compared element within tolerance and no corruption.
+    pub passed: bool,
+    /// The report: per tensor the elements compared, the largest errors and where, the ULP
+    /// histogram, the worst positions named, corruption; then the verdict.
+    pub text: String,
+    /// The numbers behind it, per tensor (`output`, `kv_blocks`).
+    pub tensors: Vec<(String, TensorReport)>,
+}
+
+/// Checks a kernel's `actual` results (`output` unless the op has none, and `kv_blocks`) against
+/// the reference run of `case` in `mode`. Errors: a malformed case, a missing or mismatched tensor.
+pub fn check(case: &Case, actual: &BTreeMap<String, Tensor>, tol: Tolerance, mode: Mode) -> Result<Report> {
+    use std::fmt::Write as _;
+    let (ref_out, ref_kv) = case.run(mode, Exec::default())?;
+    let (out_mask, kv_mask) = case.written()?;
+    let mut text = String::new();
+    let mut passed = true;
+    let mut tensors = Vec::new();
+    let _ = writeln!(
+        text,
+        "paged-qkv check: op {}, reference mode {:?}, tolerance atol {} rtol {} ulps {}",
+        case.op.name(),
+        mode,
+        tol.atol,
+        tol.rtol,
+        tol.ulps
+    );
+    let missing = |name: &str| CaseError(format!("`{name}`: missing tensor in the actual results"));
+    // (name, actual, reference, the mask of what the op writes, the input tensor for the rest)
+    type Pair<'a> = (&'static str, &'a Tensor, Tensor, &'a [bool], Option<&'a Tensor>);
+    let mut pairs: Vec<Pair<'_>> = Vec::new();
+    if let Some(ro) = ref_out {
+        pairs.push(("output", actual.get("output").ok_or_else(|| missing("output"))?, ro, &out_mask, None));
+    }
+    let got = actual.get("kv_blocks").ok_or_else(|| missing("kv_blocks"))?;
+    pairs.push(("kv_blocks", got, ref_kv, &kv_mask, Some(case.tensor("kv_blocks")?)));
+    for (name, got, want, mask, input) in pairs {
+        let r = compare(name, got, &want, mask, input, tol)?;
+        let namer = |i: usize| if name == "output" { case.name_output(i) } else { case.name_cache(i) };
+        let _ = writeln!(text, "{name}: {} elements compared ({})", r.compared, got.dtype);
+        let at = |(v, i): (f64, usize)| if v > 0.0 { format!("{v:.3e} at {}", namer(i)) } else { "0".into() };
+        let _ = writeln!(text, "  max abs error {}", at(r.max_abs));
+        let _ = writeln!(text, "  max rel error {}", at(r.max_rel));
+        let mut h = String::new();
+        let mut lo = 0;
+        for (i, &b) in ULP_BUCKETS.iter().enumerate() {
+            let label = if b == lo { format!("{b}") } else { format!("{lo}-{b}") };
+            h += &format!("{label}: {}  ", r.ulp_hist[i]);
+            lo = b + 1;
+        }
+        h += &format!(">{}: {}  NaN mismatch: {}", ULP_BUCKETS[6], r.ulp_hist[7], r.ulp_hist[8]);
+        let _ = writeln!(text, "  ULP histogram  {h}");
+        let _ = writeln!(text, "  outside tolerance: {}", r.failures);
+        for &(i, g, w, u) in &r.worst {
+            let u = if u == u64::MAX { "NaN".into() } else { u.to_string() };
+            let _ = writeln!(text, "    {} actual {g:e}, reference {w:e}, {u} ulp", namer(i));
+        }
+        if !r.corrupted.is_empty() {
+            let _ = writeln!(
+                text,
+                "  CORRUPTION: {} elements outside the written slots changed, e.g. {}",
+                r.corrupted.len(),
+                namer(r.corrupted[0])
+            );
+        }
+        passed &= r.failures == 0 && r.corrupted.is_empty();
+        tensors.push((name.to_string(), r));
+    }
+    let _ = write!(text, "verdict: {}", if passed { "PASS" } else { "FAIL" });
+    Ok(Report { passed, text, tensors })
 }
 
 /// Comparison tolerances: an element passes when `|x − ref| ≤ atol + rtol · |ref|` **or** it is

@@ -80,9 +80,15 @@ def _wire_dtype(a: np.ndarray, kind: Optional[str]) -> str:
     raise ValueError(f"unsupported dtype {a.dtype} (expected float32, float16, bfloat16, uint8 or integers)")
 
 
+# Tensors whose FP8 elements are values (an FP8 cache), not codes or scales: sent as F8_E4M3.
+_VALUE_TENSORS = ("kv_blocks", "output")
+
+
 def _to_wire(name: str, a: Any, kind: Optional[str] = None) -> Tuple[str, str, list, np.ndarray]:
     a = np.asarray(a)
     dtype = _wire_dtype(a, kind)
+    if dtype == "U8" and name in _VALUE_TENSORS and a.dtype.name.startswith("float8_e4m3"):
+        dtype = "F8_E4M3"
     if dtype == "U32":
         if a.size and (a.min() < 0 or a.max() > 0xFFFFFFFF):
             raise ValueError(f"`{name}`: values must fit uint32")

@@ -3,7 +3,7 @@
 
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use paged_qkv::case::{self, Case, MakeOptions, Mode, Op, Tensor, Tolerance, ULP_BUCKETS};
+use paged_qkv::case::{self, Case, MakeOptions, Mode, Op, Tolerance};
 use paged_qkv::fast::{self, PackedPlainWeights, QkvFp4PackedArgs, QkvRaggedPackedArgs};
 use paged_qkv::formats::quantize::{amax, nvfp4_global_scale, quantize};
 use paged_qkv::formats::scale_layout::ScaleLayout;
@@ -327,63 +327,11 @@ fn run(case_path: &PathBuf, out: &PathBuf, mode: Mode, threads: Option<usize>) -
 fn check(case_path: &PathBuf, actual: &PathBuf, tol: Tolerance, mode: Mode) -> Result<u8, Bad> {
     let c = Case::from_bytes(&read(case_path)?)?;
     let act = case::load_tensors(&read(actual)?)?;
-    let (ref_out, ref_kv) = c.run(mode, Exec::default())?;
-    let (out_mask, kv_mask) = c.written()?;
-    let mut pass = true;
-    outln!(
-        "paged-qkv check: op {}, reference mode {:?}, tolerance atol {} rtol {} ulps {}",
-        c.op.name(),
-        mode,
-        tol.atol,
-        tol.rtol,
-        tol.ulps
-    );
-    let mut report =
-        |name: &str, got: &Tensor, want: &Tensor, mask: &[bool], input: Option<&Tensor>| -> Result<(), Bad> {
-            let r = case::compare(name, got, want, mask, input, tol)?;
-            let namer = |i: usize| if name == "output" { c.name_output(i) } else { c.name_cache(i) };
-            outln!("{name}: {} elements compared ({})", r.compared, got.dtype);
-            let at = |(v, i): (f64, usize)| if v > 0.0 { format!("{v:.3e} at {}", namer(i)) } else { "0".into() };
-            outln!("  max abs error {}", at(r.max_abs));
-            outln!("  max rel error {}", at(r.max_rel));
-            let mut h = String::new();
-            let mut lo = 0;
-            for (i, &b) in ULP_BUCKETS.iter().enumerate() {
-                let label = if b == lo { format!("{b}") } else { format!("{lo}-{b}") };
-                h += &format!("{label}: {}  ", r.ulp_hist[i]);
-                lo = b + 1;
-            }
-            h += &format!(">{}: {}  NaN mismatch: {}", ULP_BUCKETS[6], r.ulp_hist[7], r.ulp_hist[8]);
-            outln!("  ULP histogram  {h}");
-            outln!("  outside tolerance: {}", r.failures);
-            for &(i, g, w, u) in &r.worst {
-                outln!(
-                    "    {} actual {g:e}, reference {w:e}, {} ulp",
-                    namer(i),
-                    if u == u64::MAX { "NaN".into() } else { u.to_string() }
-                );
-            }
-            if !r.corrupted.is_empty() {
-                outln!(
-                    "  CORRUPTION: {} elements outside the written slots changed, e.g. {}",
-                    r.corrupted.len(),
-                    namer(r.corrupted[0])
-                );
-            }
-            if r.failures > 0 || !r.corrupted.is_empty() {
-                pass = false;
-            }
-            Ok(())
-        };
-    let missing = |name: &str| Bad(format!("{} (actual results): `{name}`: missing tensor", actual.display()));
-    if let Some(ro) = &ref_out {
-        let got = act.get("output").ok_or_else(|| missing("output"))?;
-        report("output", got, ro, &out_mask, None)?;
+    let report = case::check(&c, &act, tol, mode)?;
+    for line in report.text.lines() {
+        outln!("{line}");
     }
-    let got = act.get("kv_blocks").ok_or_else(|| missing("kv_blocks"))?;
-    report("kv_blocks", got, &ref_kv, &kv_mask, Some(c.tensor("kv_blocks")?))?;
-    outln!("verdict: {}", if pass { "PASS" } else { "FAIL" });
-    Ok(if pass { 0 } else { 1 })
+    Ok(if report.passed { 0 } else { 1 })
 }
 
 fn make_case(

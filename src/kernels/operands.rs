@@ -23,7 +23,7 @@ use crate::formats::fp8::{e4m3_to_f32, e4m3_to_units};
 use crate::reference::exact::{ExactSum, f32_parts};
 use crate::simd::fp4::{E8M0_ACT_BIAS, ScaleKind, scale_product};
 use crate::simd::plain::PackedRows;
-use crate::simd::{GROUP, IsaToken, MR};
+use crate::simd::{GROUP, IsaToken, MR, ROW_GROUPS};
 
 /// One task's rows and columns.
 pub(crate) struct Tile<'a> {
@@ -110,7 +110,19 @@ impl Operands for Fp4Operands<'_> {
         let (rows, c0, c1) = (t.rows, t.c0, t.c1);
         let width = c1 - c0;
         let mut tile = [[0f32; GROUP]; MR];
-        for g in c0 / GROUP..c1 / GROUP {
+        let (mut g0, g1) = (c0 / GROUP, c1 / GROUP);
+        if rows.len() == 1 && self.w.format.is_fp4() {
+            // One row (decode): several groups per call, for independent accumulator chains.
+            let a = self.a.fp4_rows(rows);
+            let mut out = [[0f32; GROUP]; ROW_GROUPS];
+            while g0 + ROW_GROUPS <= g1 {
+                let gs = std::array::from_fn(|i| self.w.fp4_group(g0 + i));
+                crate::simd::fp4_row(token, &gs, &a, &mut out);
+                buf[g0 * GROUP - c0..(g0 + ROW_GROUPS) * GROUP - c0].copy_from_slice(out.as_flattened());
+                g0 += ROW_GROUPS;
+            }
+        }
+        for g in g0..g1 {
             let group = self.w.format.is_fp4().then(|| self.w.fp4_group(g));
             for (ci, chunk) in rows.chunks(MR).enumerate() {
                 match &group {

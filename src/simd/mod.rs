@@ -49,6 +49,8 @@ use std::sync::OnceLock;
 pub(crate) const MR: usize = 4;
 /// Columns per weight group (FP4 and plain).
 pub(crate) const GROUP: usize = 16;
+/// Weight groups per call of the one-row FP4 kernel ([`fp4_row`]).
+pub(crate) const ROW_GROUPS: usize = 4;
 
 /// An instruction set the fast paths can run on. Levels are cumulative: a CPU that runs one runs
 /// every level before it in [`Isa::ALL`] on the same architecture.
@@ -205,6 +207,35 @@ pub(crate) fn fp4_group(token: IsaToken, g: &Fp4Group<'_>, rows: &Fp4Rows<'_>, o
             by_rows!(k)
         },
         _ => group_scalar(g, rows, out),
+    }
+}
+
+/// Runs the FP4 kernel of `token`'s ISA on one activation row (`rows.count() == 1`) and
+/// [`ROW_GROUPS`] groups of the same weight, writing `out[g][c]`: the same bits as
+/// [`fp4_group`] on each group, with independent chains where the ISA has a kernel for it.
+pub(crate) fn fp4_row(
+    token: IsaToken,
+    gs: &[Fp4Group<'_>; ROW_GROUPS],
+    rows: &Fp4Rows<'_>,
+    out: &mut [[f32; GROUP]; ROW_GROUPS],
+) {
+    assert_eq!(rows.count(), 1);
+    for g in gs {
+        g.check(rows);
+        assert!(g.pairs == gs[0].pairs && g.kb == gs[0].kb && g.kind == gs[0].kind);
+    }
+    match token.0 {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the token proves AVX-512 F, BW and VNNI were detected; `check` proved every
+        // group's lengths, and the groups share pairs, kb and kind (asserted above).
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::fp4::fp4_row_avx512(gs, rows, out) },
+        _ => {
+            let mut tile = [[0f32; GROUP]; MR];
+            for (g, o) in gs.iter().zip(out.iter_mut()) {
+                fp4_group(token, g, rows, &mut tile);
+                *o = tile[0];
+            }
+        }
     }
 }
 

@@ -225,6 +225,42 @@ fn real_shapes_and_adversarial_scales() {
     }
 }
 
+/// One token (decode): the one-row kernel takes four column groups per call. Head sizes of 16,
+/// 64, 128 and 48 columns give panels of 1 to 8 groups: whole four-group calls, remainders, and
+/// panels with no four-group call at all; a tiny `tensor_sf` checks the subnormal end.
+#[test]
+fn decode_row_kernel_is_bit_identical() {
+    let isas = isas();
+    let mut rng = Rng::new(54);
+    for (case, (hd, hq)) in [(16usize, 7usize), (64, 5), (128, 3), (48, 3)].into_iter().enumerate() {
+        for format in [BlockFormat::Nvfp4, BlockFormat::Mxfp4] {
+            let c = Config {
+                format,
+                k: [256, 160, 512, 96][case],
+                lens: vec![1],
+                cache_lengths: vec![rng.range(0, 40) as u32],
+                hq,
+                hkv: 1,
+                hd,
+                page: 16,
+                layers: 1,
+                mla_width: None,
+            };
+            let s = setup(&mut rng, &c);
+            for tsf in [1.0f32, 2.5e-38] {
+                let base: (Vec<f32>, Vec<f32>) = run(&s, tsf, Some(scalar()), 5);
+                let exact: (Vec<f32>, Vec<f32>) = run(&s, tsf, None, 5);
+                check_bound(&s, tsf, &base, &exact);
+                for &isa in &isas {
+                    let got: (Vec<f32>, Vec<f32>) = run(&s, tsf, Some(Exec { par: Par::Rayon, isa: Some(isa) }), 5);
+                    assert_eq!(bits(&got.0), bits(&base.0), "{isa:?} {format:?} hd {hd}");
+                    assert_eq!(bits(&got.1), bits(&base.1), "{isa:?} {format:?} hd {hd}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn nan_scales_match_the_oracle() {
     let mut rng = Rng::new(52);

@@ -6,7 +6,7 @@
 //! so no sign trick is needed, and i16 partial sums stay below 8 · 2 · 24 · 12 = 4608.
 
 use crate::simd::fp4::{Fp4Group, Fp4Rows, ScaleKind};
-use crate::simd::{GROUP, MR};
+use crate::simd::{GROUP, MR, ROW_GROUPS};
 use std::arch::x86_64::*;
 
 /// `w + 12` for each E2M1 code (codes 8..15 are the negatives).
@@ -151,5 +151,65 @@ pub(crate) unsafe fn fp4_group_avx512<const R: usize>(
     for r in 0..R {
         // SAFETY: out[r] holds 16 f32.
         unsafe { _mm512_storeu_ps(out[r].as_mut_ptr(), acc[r]) };
+    }
+}
+
+/// One activation row against [`ROW_GROUPS`] adjacent 16-column groups (the decode shape, M = 1):
+/// the same arithmetic per column as [`fp4_group_avx512`] (so the same bits), with four
+/// independent integer and f32 chains where the one-group kernel has one; with a single row that
+/// chain's latency, not the weight bytes, bounded the loop.
+///
+/// # Safety
+/// AVX-512 F, BW and VNNI must be available; `g.check(rows)` must have passed for every group,
+/// all with the same `pairs`, `kb` and `kind`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub(crate) unsafe fn fp4_row_avx512(
+    gs: &[Fp4Group<'_>; ROW_GROUPS],
+    rows: &Fp4Rows<'_>,
+    out: &mut [[f32; GROUP]; ROW_GROUPS],
+) {
+    const G: usize = ROW_GROUPS;
+    let lut = _mm512_broadcast_i32x4(_mm_loadu_si128_safe(&LUT));
+    let mask = _mm512_set1_epi8(0x0F);
+    let (pairs, kbs, kind) = (gs[0].pairs, gs[0].kb, gs[0].kind);
+    let v = pairs * 8;
+    let a = rows.a[0];
+    let mut acc = [_mm512_setzero_ps(); G];
+    for kb in 0..kbs {
+        let mut i32acc = [_mm512_setzero_si512(); G];
+        for p in 0..pairs {
+            let off = (kb * pairs + p) * 64;
+            let a0 = _mm512_set1_epi32(read_u32(a, kb * v + p * 8));
+            let a1 = _mm512_set1_epi32(read_u32(a, kb * v + p * 8 + 4));
+            for (g, ia) in gs.iter().zip(i32acc.iter_mut()) {
+                prefetch(g.w, off + PREFETCH);
+                // SAFETY: `check` proved g.w.len() ≥ kb_total · pairs · 64 for every group.
+                let w = unsafe { _mm512_loadu_si512(g.w.as_ptr().add(off).cast()) };
+                let wl = _mm512_shuffle_epi8(lut, _mm512_and_si512(w, mask));
+                let wh = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16::<4>(w), mask));
+                *ia = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(*ia, wl, a0), wh, a1);
+            }
+        }
+        let (corr, sc) = (rows.corr[0][kb], rows.sc[0][kb]);
+        for (g, (ia, ac)) in gs.iter().zip(i32acc.iter().zip(acc.iter_mut())) {
+            // SAFETY: `check` proved g.ws.len() ≥ kb_total · 16.
+            let sb = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(g.ws.as_ptr().add(kb * GROUP).cast())) };
+            let isum = _mm512_sub_epi32(*ia, _mm512_set1_epi32(corr));
+            let s = match kind {
+                ScaleKind::E5m3 => {
+                    _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32::<20>(sb)), _mm512_set1_ps(f32::from_bits(sc)))
+                }
+                ScaleKind::E8m0 => {
+                    let e = _mm512_add_epi32(sb, _mm512_set1_epi32(sc as i32));
+                    let e = _mm512_min_epi32(_mm512_max_epi32(e, _mm512_setzero_si512()), _mm512_set1_epi32(255));
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<23>(e))
+                }
+            };
+            *ac = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, *ac);
+        }
+    }
+    for (o, ac) in out.iter_mut().zip(acc) {
+        // SAFETY: o holds 16 f32.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), ac) };
     }
 }
