@@ -4,7 +4,8 @@
 //! "element" is: `flop` groups count 2·M·N·K FLOP, `bytes` groups count weight + scale bytes.
 //!
 //! Baselines: the `gemm` crate's f32 GEMM on the same (M, N, K) with pre-dequantized operands;
-//! a plain read of the same FP4 weight + scale bytes; the crate's scalar reference (M = 1).
+//! a plain read of the same FP4 weight + scale bytes; the crate's scalar reference (M = 1); peak
+//! loops of `vpdpbusd` and of the AVX2 `vpmaddubsw` chain, in `peak/ops`.
 
 use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main, measurement::WallTime};
 use paged_qkv::fast::{matmul_fp4_packed, qkv_fp4_ragged_packed};
@@ -281,5 +282,16 @@ fn decode(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, decode, compute);
+#[path = "common/peak.rs"]
+mod peak;
+
+/// The integer peaks the targets are stated against: `vpdpbusd` (AVX-512 VNNI) and the AVX2
+/// `vpmaddubsw` + `vpaddw` chain, per thread count; ops count a multiply-add as 2, like FLOP.
+fn peaks(c: &mut Criterion) {
+    let mut g = setup_group(c, "peak/ops");
+    peak::run(&mut g, &["vpdpbusd_zmm", "maddubs_ymm"]);
+    g.finish();
+}
+
+criterion_group!(benches, peaks, decode, compute);
 criterion_main!(benches);

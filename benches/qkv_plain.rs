@@ -276,101 +276,15 @@ fn decode(c: &mut Criterion) {
     g.finish();
 }
 
-#[cfg(target_arch = "x86_64")]
-mod peak {
-    //! Peak loops: 12 independent accumulator chains of one instruction (more than its latency ×
-    //! throughput), no memory operands; 24 · ITERS instructions per call.
-    use std::arch::x86_64::*;
-
-    pub const ITERS: usize = 1 << 16;
-
-    /// FLOP of one call of each loop.
-    pub fn flop(per_instr: usize) -> u64 {
-        (ITERS * 24 * per_instr) as u64
-    }
-
-    // Explicit loops (a closure inside a `#[target_feature]` function does not inherit the
-    // features, and its intrinsics would become calls).
-    #[target_feature(enable = "avx512f")]
-    pub fn fma_zmm() -> f32 {
-        let (x, y) = (_mm512_set1_ps(1.0001), _mm512_set1_ps(0.9999));
-        let mut a = [_mm512_setzero_ps(); 12]; // 24 made the compiler rotate registers through moves
-        for _ in 0..2 * ITERS {
-            for v in a.iter_mut() {
-                *v = _mm512_fmadd_ps(x, y, *v);
-            }
-        }
-        a.iter().map(|&v| _mm512_reduce_add_ps(v)).sum()
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub fn fma_ymm() -> f32 {
-        let (x, y) = (_mm256_set1_ps(1.0001), _mm256_set1_ps(0.9999));
-        let mut a = [_mm256_setzero_ps(); 12];
-        for _ in 0..2 * ITERS {
-            for v in a.iter_mut() {
-                *v = _mm256_fmadd_ps(x, y, *v);
-            }
-        }
-        let mut o = [0f32; 8];
-        let s = a.iter().fold(_mm256_setzero_ps(), |s, &v| _mm256_add_ps(s, v));
-        // SAFETY: o holds 8 f32.
-        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), s) };
-        o.iter().sum()
-    }
-
-    #[target_feature(enable = "avx512f,avx512bf16")]
-    pub fn dpbf16() -> f32 {
-        // SAFETY: __m512i and __m512bh are both 64 plain bytes.
-        let (x, y): (__m512bh, __m512bh) = unsafe {
-            (
-                std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(0x3F80_3F80)),
-                std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(0x3F80_3F81)),
-            )
-        };
-        let mut a = [_mm512_setzero_ps(); 12];
-        for _ in 0..2 * ITERS {
-            for v in a.iter_mut() {
-                *v = _mm512_dpbf16_ps(*v, x, y);
-            }
-        }
-        a.iter().map(|&v| _mm512_reduce_add_ps(v)).sum()
-    }
-}
+#[path = "common/peak.rs"]
+mod peak;
 
 /// The instruction peaks the targets are stated against (per thread count).
-#[cfg(target_arch = "x86_64")]
 fn peaks(c: &mut Criterion) {
-    let has = |f: &str| match f {
-        "avx512f" => std::arch::is_x86_feature_detected!("avx512f"),
-        "avx512bf16" => std::arch::is_x86_feature_detected!("avx512bf16"),
-        _ => std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma"),
-    };
-    type Peak = (&'static str, &'static str, usize, fn() -> f32);
-    // SAFETY (each closure): called only after the feature check below.
-    let loops: [Peak; 3] = [
-        ("fma_zmm", "avx512f", 32, || unsafe { peak::fma_zmm() }),
-        ("fma_ymm", "avx2", 16, || unsafe { peak::fma_ymm() }),
-        ("vdpbf16ps_zmm", "avx512bf16", 64, || unsafe { peak::dpbf16() }),
-    ];
     let mut g = setup_group(c, "peak/flop");
-    for (name, feature, per, f) in loops {
-        if !has(feature) {
-            continue;
-        }
-        for threads in [1usize, 2] {
-            let p = pool(threads);
-            g.throughput(Throughput::Elements(peak::flop(per) * threads as u64));
-            g.bench_function(format!("{name}_t{threads}"), |b| {
-                p.install(|| b.iter(|| if threads == 1 { black_box(f()) } else { black_box(rayon::join(f, f).0) }))
-            });
-        }
-    }
+    peak::run(&mut g, &["fma_zmm", "fma_ymm", "vdpbf16ps_zmm"]);
     g.finish();
 }
-
-#[cfg(not(target_arch = "x86_64"))]
-fn peaks(_c: &mut Criterion) {}
 
 criterion_group!(benches, peaks, decode, compute);
 criterion_main!(benches);

@@ -71,7 +71,7 @@ impl Fp4Operands<'_> {
         self.w.min_scale[col] as i32 + self.a.min_scale[row] as i32 - bias <= 0
     }
 
-    /// MXFP8 accumulators of `rows` (≤ MR) × group `g` (all ISAs: the scalar kernel): per block an
+    /// MXFP8 accumulators of `rows` (≤ [`MR`]) × group `g` (all ISAs: the scalar kernel): per block an
     /// f32 sum of exact products in k order, times the block-scale product.
     fn group_fp8(&self, g: usize, rows: &[usize], out: &mut [[f32; GROUP]; MR]) {
         let (w, a) = (self.w, self.a);
@@ -110,6 +110,7 @@ impl Operands for Fp4Operands<'_> {
         let (rows, c0, c1) = (t.rows, t.c0, t.c1);
         let width = c1 - c0;
         let mut tile = [[0f32; GROUP]; MR];
+        let mr = crate::simd::fp4_mr(token);
         let (mut g0, g1) = (c0 / GROUP, c1 / GROUP);
         if rows.len() == 1 && self.w.format.is_fp4() {
             // One row (decode): several groups per call, for independent accumulator chains.
@@ -124,13 +125,13 @@ impl Operands for Fp4Operands<'_> {
         }
         for g in g0..g1 {
             let group = self.w.format.is_fp4().then(|| self.w.fp4_group(g));
-            for (ci, chunk) in rows.chunks(MR).enumerate() {
+            for (ci, chunk) in rows.chunks(mr).enumerate() {
                 match &group {
                     Some(gr) => crate::simd::fp4_group(token, gr, &self.a.fp4_rows(chunk), &mut tile),
                     None => self.group_fp8(g, chunk, &mut tile),
                 }
                 for (i, t) in tile.iter().enumerate().take(chunk.len()) {
-                    let off = (ci * MR + i) * width + g * GROUP - c0;
+                    let off = (ci * mr + i) * width + g * GROUP - c0;
                     buf[off..off + GROUP].copy_from_slice(t);
                 }
             }

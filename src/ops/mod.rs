@@ -373,9 +373,13 @@ pub(crate) fn validate_qkv_rope(
         return Err(Error::Unsupported { what: format!("fused RoPE on heads over {MAX_FUSED_HEAD} dims") });
     }
     check_rope_dim(rd, dq, dk)?;
-    if shape.is_mla() && n - q_dim != dk {
+    if shape.is_mla() && (n - q_dim != dk || shape.num_kv_heads() != 1) {
+        // The QKV writes K head 0 only; the standalone RoPE rotates every KV head of the slot.
         return Err(Error::Unsupported {
-            what: format!("fused RoPE on an MLA cache needs the whole K head written (N − q_dim = {dk})"),
+            what: format!(
+                "fused RoPE on an MLA cache needs one KV head (found {}), written whole (N − q_dim = {dk})",
+                shape.num_kv_heads()
+            ),
         });
     }
     let freq_rows = if rope.freqs_cis.len().is_multiple_of(rd) {

@@ -57,6 +57,7 @@ impl Fp4Group<'_> {
     /// The lengths every kernel's unchecked loads rely on. Panics on violation (a bug, not input).
     pub fn check(&self, rows: &Fp4Rows<'_>) {
         assert!(rows.count >= 1 && rows.count <= MR);
+        assert!(self.pairs.is_multiple_of(2), "blocks of 16 or 32 k: an even number of 8-k pairs");
         assert!(self.w.len() >= self.kb * self.pairs * 64 && self.ws.len() >= self.kb * GROUP);
         for r in 0..MR {
             assert!(rows.a[r].len() >= self.kb * self.pairs * 8);

@@ -45,8 +45,8 @@ use fp4::{Fp4Group, Fp4Rows, group_scalar};
 use plain::{PackedRows, PlainKind, PlainPanel, panel_scalar};
 use std::sync::OnceLock;
 
-/// Most activation rows one FP4 kernel call handles.
-pub(crate) const MR: usize = 4;
+/// Most activation rows one FP4 kernel call handles (on any ISA: see [`fp4_mr`]).
+pub(crate) const MR: usize = 8;
 /// Columns per weight group (FP4 and plain).
 pub(crate) const GROUP: usize = 16;
 /// Weight groups per call of the one-row FP4 kernel ([`fp4_row`]).
@@ -70,13 +70,21 @@ pub enum Isa {
     Avx512Bf16,
     /// aarch64 NEON (`tbl`, `smull`, `sadalp`; f32 `fmla`).
     Neon,
+    /// [`Isa::Neon`] plus the dot-product extension (FEAT_DotProd, `sdot`: Cortex-A76 / Raspberry
+    /// Pi 5, Neoverse N1 / Graviton2, Apple M1 and later) for the FP4 kernel.
+    NeonDotprod,
+    /// [`Isa::NeonDotprod`] plus the int8 matrix multiply (FEAT_I8MM, `smmla`: Neoverse V1/V2/N2,
+    /// Graviton3/4, Cortex-A710 and later) for the FP4 kernel.
+    NeonI8mm,
 }
 
 impl Isa {
     /// All ISAs this crate knows; on each architecture, best last.
-    pub const ALL: [Isa; 5] = [Isa::Scalar, Isa::Neon, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16];
+    pub const ALL: [Isa; 7] =
+        [Isa::Scalar, Isa::Neon, Isa::NeonDotprod, Isa::NeonI8mm, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16];
 
-    /// Lower-case name (`scalar`, `avx2`, `avx512`, `avx512bf16`, `neon`).
+    /// Lower-case name (`scalar`, `avx2`, `avx512`, `avx512bf16`, `neon`, `neon-dotprod`,
+    /// `neon-i8mm`).
     pub fn name(self) -> &'static str {
         match self {
             Isa::Scalar => "scalar",
@@ -84,6 +92,8 @@ impl Isa {
             Isa::Avx512 => "avx512",
             Isa::Avx512Bf16 => "avx512bf16",
             Isa::Neon => "neon",
+            Isa::NeonDotprod => "neon-dotprod",
+            Isa::NeonI8mm => "neon-i8mm",
         }
     }
 
@@ -113,6 +123,10 @@ impl Isa {
             Isa::Avx512Bf16 => Isa::Avx512.is_available() && std::arch::is_x86_feature_detected!("avx512bf16"),
             #[cfg(target_arch = "aarch64")]
             Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+            #[cfg(target_arch = "aarch64")]
+            Isa::NeonDotprod => Isa::Neon.is_available() && std::arch::is_aarch64_feature_detected!("dotprod"),
+            #[cfg(target_arch = "aarch64")]
+            Isa::NeonI8mm => Isa::NeonDotprod.is_available() && std::arch::is_aarch64_feature_detected!("i8mm"),
             #[allow(unreachable_patterns)]
             _ => false,
         }
@@ -171,10 +185,21 @@ impl IsaToken {
     }
 }
 
-/// Runs the FP4 group kernel of `token`'s ISA on `rows.count()` (≤ MR) rows, writing
+/// Rows per call of the FP4 group kernel of `token`'s ISA: 8 where 32 vector registers hold 8
+/// rows' integer and f32 accumulators (AVX-512: each weight load and nibble shuffle then feeds
+/// 16 `vpdpbusd` instead of 8), else 4.
+pub(crate) fn fp4_mr(token: IsaToken) -> usize {
+    match token.0 {
+        Isa::Avx512 | Isa::Avx512Bf16 => 8,
+        _ => 4,
+    }
+}
+
+/// Runs the FP4 group kernel of `token`'s ISA on `rows.count()` (≤ [`fp4_mr`]) rows, writing
 /// `out[r][c]` for r < rows.count(), c < 16.
 pub(crate) fn fp4_group(token: IsaToken, g: &Fp4Group<'_>, rows: &Fp4Rows<'_>, out: &mut [[f32; GROUP]; MR]) {
     g.check(rows);
+    assert!(rows.count() <= fp4_mr(token));
     // One monomorphised kernel per row count keeps the accumulators in registers.
     macro_rules! by_rows {
         ($f:ident) => {
@@ -183,6 +208,18 @@ pub(crate) fn fp4_group(token: IsaToken, g: &Fp4Group<'_>, rows: &Fp4Rows<'_>, o
                 2 => $f::<2>(g, rows, out),
                 3 => $f::<3>(g, rows, out),
                 _ => $f::<4>(g, rows, out),
+            }
+        };
+        ($f:ident, 8) => {
+            match rows.count() {
+                1 => $f::<1>(g, rows, out),
+                2 => $f::<2>(g, rows, out),
+                3 => $f::<3>(g, rows, out),
+                4 => $f::<4>(g, rows, out),
+                5 => $f::<5>(g, rows, out),
+                6 => $f::<6>(g, rows, out),
+                7 => $f::<7>(g, rows, out),
+                _ => $f::<8>(g, rows, out),
             }
         };
     }
@@ -198,12 +235,24 @@ pub(crate) fn fp4_group(token: IsaToken, g: &Fp4Group<'_>, rows: &Fp4Rows<'_>, o
         // SAFETY: the token proves AVX-512 F, BW and VNNI were detected; lengths as above.
         Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
             use x86::fp4::fp4_group_avx512 as k;
-            by_rows!(k)
+            by_rows!(k, 8)
         },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: the token proves NEON was detected; lengths as above.
         Isa::Neon => unsafe {
             use neon::fp4::fp4_group_neon as k;
+            by_rows!(k)
+        },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: the token proves NEON and dotprod were detected; lengths as above.
+        Isa::NeonDotprod => unsafe {
+            use neon::fp4::fp4_group_sdot as k;
+            by_rows!(k)
+        },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: the token proves NEON, dotprod and i8mm were detected; lengths as above.
+        Isa::NeonI8mm => unsafe {
+            use neon::fp4::fp4_group_smmla as k;
             by_rows!(k)
         },
         _ => group_scalar(g, rows, out),
@@ -241,6 +290,7 @@ pub(crate) fn fp4_row(
 
 /// Rows per micro-tile of the plain kernel of `token` for weights of `kind`, and whether it takes
 /// its activations as bf16 pairs (`vdpbf16ps`) rather than f32 (see [`PackedRows`]).
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))] // `kind` matters on x86 only
 pub(crate) fn plain_layout(token: IsaToken, kind: PlainKind) -> (usize, bool) {
     match token.0 {
         #[cfg(target_arch = "x86_64")]
@@ -250,7 +300,7 @@ pub(crate) fn plain_layout(token: IsaToken, kind: PlainKind) -> (usize, bool) {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => (x86::plain::MR256, false),
         #[cfg(target_arch = "aarch64")]
-        Isa::Neon => (neon::plain::MRN, false),
+        Isa::Neon | Isa::NeonDotprod | Isa::NeonI8mm => (neon::plain::MRN, false),
         _ => (1, false),
     }
 }
@@ -288,7 +338,9 @@ pub(crate) fn plain_panel(
         Isa::Avx2 => unsafe { x86::plain::panel_avx2(w, a, p0, n, out, ld, acc_in) },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: the token proves NEON was detected; lengths as above.
-        Isa::Neon => unsafe { neon::plain::panel_neon(w, a, p0, n, out, ld, acc_in) },
+        Isa::Neon | Isa::NeonDotprod | Isa::NeonI8mm => unsafe {
+            neon::plain::panel_neon(w, a, p0, n, out, ld, acc_in)
+        },
         _ => panel_scalar(w, a, p0, n, out, ld, acc_in),
     }
 }

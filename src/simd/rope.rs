@@ -119,7 +119,9 @@ pub(crate) fn rotate(token: IsaToken, x: &mut [f32], row: &RopeRow<'_>, interlea
         Isa::Avx2 => unsafe { super::x86::rope::rotate_avx2(x, row, interleaved, r) },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: the token proves NEON was detected; lengths as above.
-        Isa::Neon => unsafe { super::neon::rope::rotate_neon(x, row, interleaved, r) },
+        Isa::Neon | Isa::NeonDotprod | Isa::NeonI8mm => unsafe {
+            super::neon::rope::rotate_neon(x, row, interleaved, r)
+        },
         _ => rotate_scalar(x, row, interleaved, r),
     }
 }

@@ -494,6 +494,42 @@ fn rope_errors_write_nothing() {
         assert_eq!(bits(cache.data()), before);
         assert!(out.iter().all(|&v| v == bf16::from_f32(7.0)));
     }
+    // Fused RoPE on an MLA cache with two KV heads (found by `fuzz/fast_paths`): the QKV writes
+    // K head 0 only, the standalone RoPE would rotate both heads, so the fast path and the oracle
+    // disagreed on head 1's stale contents. Now both reject it, writing nothing.
+    let mla = CacheShape::mla(4, 2, 2, 2, 2).unwrap();
+    let f2: Vec<f32> = paged_qkv::freqs_cis(8, 2, 100.0);
+    let w2 = vec![bf16::from_f32(0.5); 4 * 3];
+    for e in [None].into_iter().chain(execs().into_iter().map(Some)) {
+        let mut cache: PagedKvCache<bf16> = random_cache(&mut Rng::new(9), mla);
+        let before = bits(cache.data());
+        let mut out = vec![bf16::from_f32(7.0); 2];
+        let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0, 2], 2, &[1]).unwrap(), 0);
+        let args = paged_qkv::QkvRaggedArgs {
+            hidden_state: &[bf16::ONE; 3],
+            input_row_offsets: &[0, 1],
+            weight: &w2,
+            hidden_size: 3,
+            bias: None,
+            q_dim: 2,
+            rope: Some(QkvRope {
+                freqs_cis: Freqs::F32(&f2),
+                q_head_size: 2,
+                rope_dim: 2,
+                interleaved: true,
+                position_ids: None,
+                math: RopeMath::MaxCompat,
+            }),
+        };
+        let err = match e {
+            Some(e) => fast::qkv_ragged(&args, &mut out, &mut kv, e),
+            None => reference::qkv_ragged(&args, &mut out, &mut kv, paged_qkv::Accumulation::Exact),
+        }
+        .expect_err("fused RoPE on a two-head MLA cache");
+        assert!(matches!(err, Error::Unsupported { .. }), "{err:?}");
+        assert_eq!(bits(cache.data()), before);
+        assert!(out.iter().all(|&v| v == bf16::from_f32(7.0)));
+    }
 }
 
 /// The fast KV stores equal the oracle's bit for bit (every ISA, K and V, ragged and padded,

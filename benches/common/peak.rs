@@ -1,0 +1,146 @@
+//! Peak loops of the instructions the kernels rely on, shared by the benches (`#[path]`): 12
+//! independent accumulator chains of one instruction (more than its latency × throughput), no
+//! memory operands; 24 · ITERS instructions per call. Each bench reports its kernels' ratio to
+//! the peak measured in the same run (the machine is shared: only ratios within a run mean much).
+#![allow(dead_code)] // each bench uses some of the loops
+
+use criterion::{BenchmarkGroup, Throughput, measurement::WallTime};
+use std::hint::black_box;
+
+pub const ITERS: usize = 1 << 16;
+
+/// Operations (a multiply-add counts 2) of one call of a loop whose instruction does `per`.
+pub fn ops(per_instr: usize) -> u64 {
+    (ITERS * 24 * per_instr) as u64
+}
+
+/// A peak loop: its name, the CPU features it needs, operations per instruction, and the loop.
+pub type Peak = (&'static str, &'static [&'static str], usize, fn() -> f32);
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::ITERS;
+
+    // Explicit loops (a closure inside a `#[target_feature]` function does not inherit the
+    // features, and its intrinsics would become calls).
+    #[target_feature(enable = "avx512f")]
+    pub fn fma_zmm() -> f32 {
+        let (x, y) = (_mm512_set1_ps(1.0001), _mm512_set1_ps(0.9999));
+        let mut a = [_mm512_setzero_ps(); 12]; // 24 made the compiler rotate registers through moves
+        for _ in 0..2 * ITERS {
+            for v in a.iter_mut() {
+                *v = _mm512_fmadd_ps(x, y, *v);
+            }
+        }
+        a.iter().map(|&v| _mm512_reduce_add_ps(v)).sum()
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub fn fma_ymm() -> f32 {
+        let (x, y) = (_mm256_set1_ps(1.0001), _mm256_set1_ps(0.9999));
+        let mut a = [_mm256_setzero_ps(); 12];
+        for _ in 0..2 * ITERS {
+            for v in a.iter_mut() {
+                *v = _mm256_fmadd_ps(x, y, *v);
+            }
+        }
+        let mut o = [0f32; 8];
+        let s = a.iter().fold(_mm256_setzero_ps(), |s, &v| _mm256_add_ps(s, v));
+        // SAFETY: o holds 8 f32.
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), s) };
+        o.iter().sum()
+    }
+
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub fn dpbf16() -> f32 {
+        // SAFETY: __m512i and __m512bh are both 64 plain bytes.
+        let (x, y): (__m512bh, __m512bh) = unsafe {
+            (
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(0x3F80_3F80)),
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(0x3F80_3F81)),
+            )
+        };
+        let mut a = [_mm512_setzero_ps(); 12];
+        for _ in 0..2 * ITERS {
+            for v in a.iter_mut() {
+                *v = _mm512_dpbf16_ps(*v, x, y);
+            }
+        }
+        a.iter().map(|&v| _mm512_reduce_add_ps(v)).sum()
+    }
+
+    /// `vpdpbusd` zmm: 64 u8 × i8 multiply-adds per instruction.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub fn dpbusd_zmm() -> f32 {
+        let (x, y) = (_mm512_set1_epi8(3), _mm512_set1_epi8(-2));
+        let mut a = [_mm512_setzero_si512(); 12];
+        for _ in 0..2 * ITERS {
+            for v in a.iter_mut() {
+                *v = _mm512_dpbusd_epi32(*v, x, y);
+            }
+        }
+        a.iter().map(|&v| _mm512_reduce_add_epi32(v) as f32).sum()
+    }
+
+    /// The AVX2 int8 chain of the FP4 kernel: `vpmaddubsw` (32 u8 × i8 multiply-adds) into a
+    /// `vpaddw` accumulator; 12 chains, the pair counted as one instruction.
+    #[target_feature(enable = "avx2")]
+    pub fn maddubs_ymm() -> f32 {
+        let (x, y) = (_mm256_set1_epi8(3), _mm256_set1_epi8(-2));
+        let mut a = [_mm256_setzero_si256(); 12];
+        for _ in 0..2 * ITERS {
+            for v in a.iter_mut() {
+                *v = _mm256_add_epi16(*v, _mm256_maddubs_epi16(x, y));
+            }
+        }
+        let s = a.iter().fold(_mm256_setzero_si256(), |s, &v| _mm256_add_epi16(s, v));
+        _mm256_extract_epi16::<0>(s) as f32
+    }
+}
+
+/// The loops this CPU can run.
+#[cfg(target_arch = "x86_64")]
+pub fn loops() -> Vec<Peak> {
+    // SAFETY (each closure): `available` is checked before a loop runs (see `run`).
+    let all: [Peak; 5] = [
+        ("fma_zmm", &["avx512f"], 32, || unsafe { x86::fma_zmm() }),
+        ("fma_ymm", &["avx2", "fma"], 16, || unsafe { x86::fma_ymm() }),
+        ("vdpbf16ps_zmm", &["avx512f", "avx512bf16"], 64, || unsafe { x86::dpbf16() }),
+        ("vpdpbusd_zmm", &["avx512f", "avx512bw", "avx512vnni"], 128, || unsafe { x86::dpbusd_zmm() }),
+        ("maddubs_ymm", &["avx2"], 64, || unsafe { x86::maddubs_ymm() }),
+    ];
+    all.into_iter().filter(|p| p.1.iter().all(|f| available(f))).collect()
+}
+
+#[cfg(target_arch = "x86_64")]
+fn available(f: &str) -> bool {
+    match f {
+        "avx512f" => std::arch::is_x86_feature_detected!("avx512f"),
+        "avx512bw" => std::arch::is_x86_feature_detected!("avx512bw"),
+        "avx512vnni" => std::arch::is_x86_feature_detected!("avx512vnni"),
+        "avx512bf16" => std::arch::is_x86_feature_detected!("avx512bf16"),
+        "fma" => std::arch::is_x86_feature_detected!("fma"),
+        "avx2" => std::arch::is_x86_feature_detected!("avx2"),
+        _ => false,
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub fn loops() -> Vec<Peak> {
+    Vec::new()
+}
+
+/// Benches the named loops (those this CPU has) at 1 and 2 threads in group `g`.
+pub fn run(g: &mut BenchmarkGroup<'_, WallTime>, names: &[&str]) {
+    for (name, _, per, f) in loops().into_iter().filter(|p| names.contains(&p.0)) {
+        for threads in [1usize, 2] {
+            let p = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            g.throughput(Throughput::Elements(ops(per) * threads as u64));
+            g.bench_function(format!("{name}_t{threads}"), |b| {
+                p.install(|| b.iter(|| if threads == 1 { black_box(f()) } else { black_box(rayon::join(f, f).0) }))
+            });
+        }
+    }
+}
