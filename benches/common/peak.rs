@@ -20,6 +20,7 @@ pub type Peak = (&'static str, &'static [&'static str], usize, fn() -> f32);
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
+    use std::hint::black_box;
 
     use super::ITERS;
 
@@ -71,10 +72,11 @@ mod x86 {
         a.iter().map(|&v| _mm512_reduce_add_ps(v)).sum()
     }
 
-    /// `vpdpbusd` zmm: 64 u8 × i8 multiply-adds per instruction.
+    /// `vpdpbusd` zmm: 64 u8 × i8 multiply-adds per instruction. The operands are opaque
+    /// (`black_box`): with constants the compiler folded the loop away.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub fn dpbusd_zmm() -> f32 {
-        let (x, y) = (_mm512_set1_epi8(3), _mm512_set1_epi8(-2));
+        let (x, y) = (black_box(_mm512_set1_epi8(3)), black_box(_mm512_set1_epi8(-2)));
         let mut a = [_mm512_setzero_si512(); 12];
         for _ in 0..2 * ITERS {
             for v in a.iter_mut() {
@@ -85,14 +87,16 @@ mod x86 {
     }
 
     /// The AVX2 int8 chain of the FP4 kernel: `vpmaddubsw` (32 u8 × i8 multiply-adds) into a
-    /// `vpaddw` accumulator; 12 chains, the pair counted as one instruction.
+    /// `vpaddw` accumulator; 12 chains, the pair counted as one instruction. The multiply reads
+    /// its chain's accumulator (a loop-invariant product would be hoisted out of the loop); 12
+    /// chains cover the pair's latency (6) × `vpmaddubsw`'s throughput (2 per cycle).
     #[target_feature(enable = "avx2")]
     pub fn maddubs_ymm() -> f32 {
-        let (x, y) = (_mm256_set1_epi8(3), _mm256_set1_epi8(-2));
-        let mut a = [_mm256_setzero_si256(); 12];
+        let y = black_box(_mm256_set1_epi8(-2));
+        let mut a: [__m256i; 12] = std::array::from_fn(|i| black_box(_mm256_set1_epi8(i as i8)));
         for _ in 0..2 * ITERS {
             for v in a.iter_mut() {
-                *v = _mm256_add_epi16(*v, _mm256_maddubs_epi16(x, y));
+                *v = _mm256_add_epi16(*v, _mm256_maddubs_epi16(*v, y));
             }
         }
         let s = a.iter().fold(_mm256_setzero_si256(), |s, &v| _mm256_add_epi16(s, v));
