@@ -858,7 +858,7 @@ impl Case {
                 let sh = &self.tensor(x)?.shape;
                 nonzero(x, sh, 1)?;
                 let offsets = self.u32s("input_row_offsets", None)?;
-                ops::ragged_rows(&offsets, sh[0])?.into_iter().map(|(b, t)| (b, t, true)).collect()
+                ops::ragged_rows(&offsets, sh[0])?.iter().map(|&(b, t)| (b, t, true)).collect()
             }
         };
         if matches!(self.op, Op::QkvFp4Ragged | Op::QkvRagged | Op::QkvBshd) {

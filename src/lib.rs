@@ -63,6 +63,7 @@ pub mod ops;
 pub mod reference;
 #[doc = include_str!("../docs/semantics.md")]
 pub mod semantics {}
+mod pool;
 mod simd;
 
 pub use cache::{CacheShape, KvSel, KvWrite, PageTable, PagedKvCache, PagedKvCacheMut};

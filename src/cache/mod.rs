@@ -1,7 +1,7 @@
 //! The paged KV cache ([semantics §3](crate::semantics)): storage `[num_blocks, kv_dim, num_layers, page_size,
 //! num_kv_heads, head_size]`, owned or borrowed, and the page table MAX passes with it.
 
-mod plan;
+pub(crate) mod plan;
 
 pub(crate) use plan::SlotPlan;
 

@@ -4,6 +4,7 @@
 
 use super::{CacheShape, PageTable};
 use crate::error::{Error, Result, TokenRef};
+use crate::pool::Pooled;
 
 /// Where one row's K/V go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,7 +22,7 @@ pub(crate) struct RowSlot {
 /// The validated slot of every row of a call (`None`: the row writes no K/V).
 #[derive(Debug, Clone)]
 pub(crate) struct SlotPlan {
-    pub rows: Vec<Option<RowSlot>>,
+    pub rows: Pooled<Option<RowSlot>>,
 }
 
 impl SlotPlan {
@@ -38,7 +39,7 @@ impl SlotPlan {
         }
         let batch = table.batch_size();
         // New tokens per sequence: one past the largest written t.
-        let mut new_tokens = vec![0usize; batch];
+        let mut new_tokens = Pooled::filled(0usize, batch);
         for &(b, t, w) in rows {
             if w {
                 new_tokens[b] = new_tokens[b].max(t + 1);
@@ -70,7 +71,7 @@ impl SlotPlan {
                 }
             }
         }
-        let plan: Vec<Option<RowSlot>> = rows
+        let plan: Pooled<Option<RowSlot>> = rows
             .iter()
             .map(|&(b, t, w)| {
                 w.then(|| {
@@ -81,7 +82,7 @@ impl SlotPlan {
             })
             .collect();
         // Two writes to one physical slot would race on a GPU and silently overwrite here.
-        let mut keys: Vec<(usize, RowSlot)> =
+        let mut keys: Pooled<(usize, RowSlot)> =
             plan.iter().filter_map(|s| s.map(|s| (s.block * shape.page_size() + s.offset, s))).collect();
         // Stable: among equal slots the earlier row comes first.
         keys.sort_by_key(|k| k.0);

@@ -25,7 +25,8 @@
 //! * FP4 formats: each block's integer sum is exact, so
 //!   `|fast − exact| ≤ (Kb + 2) · 2^-24 · Σ_blocks |block term| · |tensor_sf|` before the final
 //!   rounding to the destination (Kb = blocks per row).
-//! * MXFP8 (a scalar kernel on every ISA for now) also sums inside a block in f32:
+//! * MXFP8 (every ISA: E4M3 widened exactly through IEEE half, f32 FMAs) also sums inside a
+//!   block in f32:
 //!   `≤ (K + Kb + 2) · 2^-24 · Σ_k |term| · |tensor_sf|`.
 //! * bf16/f16/f32: `≤ (K + 2) · 2^-24 · (Σ_k |a_k · w_k| + |bias|)` (a chain of K FMAs and the bias
 //!   add); AVX-512 BF16 adds up to `K · 2^-126` where it flushes subnormals.
@@ -33,7 +34,8 @@
 //!
 //! Elements the fast order cannot be trusted with — a non-finite fast value (an overflowing block
 //! term, for example: the true result may be finite), an MX scale product that could fall below
-//! f32's normal range, a NaN scale — are recomputed exactly and equal the oracle's `Exact` result.
+//! f32's normal range, a NaN scale or a NaN MXFP8 weight element — are recomputed exactly and
+//! equal the oracle's `Exact` result.
 //!
 //! # Examples
 //! The server's path (pack once, call per step) is the `serve_decode` example
@@ -266,7 +268,7 @@ pub fn qkv_fp4_ragged_packed<O: Element, C: Element>(
 }
 
 /// A validated call's slot plan and RoPE positions.
-type Plan = (SlotPlan, Vec<Option<usize>>);
+type Plan = (SlotPlan, crate::ops::Positions);
 
 /// The routed destination of a validated fused QKV (with its RoPE, if any).
 fn qkv_dest<'a, O: Element, C: Element>(

@@ -15,6 +15,7 @@ use super::scatter::SharedMut;
 use crate::cache::{CacheShape, SlotPlan};
 use crate::element::Element;
 use crate::ops::{Freqs, MAX_FUSED_HEAD, QkvRope, RopeMath};
+use crate::pool::Pooled;
 use crate::simd::rope::{RopeRow, Round, rotate_heads};
 use crate::simd::{GROUP, IsaToken};
 
@@ -81,8 +82,8 @@ impl<O: Element> Dest for MatrixDest<'_, O> {
 pub(crate) struct EpiRope {
     token: IsaToken,
     /// Per row: the offset of its [`RopeRow`] forms in `table` (`None`: not rotated).
-    at: Vec<Option<usize>>,
-    table: Vec<f32>,
+    at: Pooled<Option<usize>>,
+    table: Pooled<f32>,
     rope_dim: usize,
     q_head: usize,
     interleaved: bool,
@@ -98,7 +99,7 @@ impl EpiRope {
             (RopeMath::MaxCompat, Freqs::Bf16(_)) => Round::Bf16,
             (RopeMath::MaxCompat, Freqs::F16(_)) => Round::F16,
         };
-        let mut table = Vec::new();
+        let mut table: Pooled<f32> = Pooled::new();
         let at = positions
             .iter()
             .map(|p| {
@@ -179,11 +180,11 @@ pub(crate) struct QkvDest<'a, O, C> {
     q_dim: usize,
     n: usize,
     /// For column `q_dim + j`: its offset from the slot base (the router, tabulated).
-    col_off: Vec<usize>,
+    col_off: Pooled<usize>,
     /// Per row: the flat index of its slot base, or None (no K/V write).
-    slot_base: Vec<Option<usize>>,
+    slot_base: Pooled<Option<usize>>,
     /// The rows with a slot, when not all rows have one.
-    kv_rows: Option<Vec<usize>>,
+    kv_rows: Option<Pooled<usize>>,
     /// Head sizes (Q, K/V) and `num_kv_heads · head_size`.
     heads: (usize, usize, usize),
     rope: Option<EpiRope>,
@@ -202,7 +203,7 @@ impl<'a, O: Element, C: Element> QkvDest<'a, O, C> {
         rope: Option<EpiRope>,
     ) -> Self {
         let col_off = (0..n - q_dim).map(|j| shape.kv_column_offset(j)).collect();
-        let slot_base: Vec<Option<usize>> =
+        let slot_base: Pooled<Option<usize>> =
             plan.rows.iter().map(|s| s.map(|s| shape.slot_base(s.block, layer, s.offset))).collect();
         let kv_rows = slot_base
             .iter()
@@ -225,7 +226,7 @@ impl<'a, O: Element, C: Element> QkvDest<'a, O, C> {
 
 impl<O: Element, C: Element> Dest for QkvDest<'_, O, C> {
     fn kv_rows(&self) -> Option<&[usize]> {
-        self.kv_rows.as_deref()
+        self.kv_rows.as_ref().map(|v| v.as_slice())
     }
     fn kv_panel(&self, c0: usize) -> bool {
         c0 >= self.q_dim && self.kv_rows.is_some()

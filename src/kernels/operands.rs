@@ -19,9 +19,10 @@ use super::pack::{Fp4Acts, PackedPlainWeights, PackedWeights, PlainActs};
 use crate::element::Element;
 use crate::formats::BlockFormat;
 use crate::formats::fp4::E2M1_DOUBLED;
-use crate::formats::fp8::{e4m3_to_f32, e4m3_to_units};
+use crate::formats::fp8::e4m3_to_units;
 use crate::reference::exact::{ExactSum, f32_parts};
-use crate::simd::fp4::{E8M0_ACT_BIAS, ScaleKind, scale_product};
+use crate::simd::fp4::E8M0_ACT_BIAS;
+use crate::simd::fp8::E8M0_FP8_ACT_BIAS;
 use crate::simd::plain::PackedRows;
 use crate::simd::{GROUP, IsaToken, MR, ROW_GROUPS};
 
@@ -66,31 +67,9 @@ impl Fp4Operands<'_> {
         let bias = match self.w.format {
             BlockFormat::Nvfp4 => return false,
             BlockFormat::Mxfp4 => E8M0_ACT_BIAS,
-            BlockFormat::Mxfp8 => 127,
+            BlockFormat::Mxfp8 => E8M0_FP8_ACT_BIAS,
         };
         self.w.min_scale[col] as i32 + self.a.min_scale[row] as i32 - bias <= 0
-    }
-
-    /// MXFP8 accumulators of `rows` (≤ [`MR`]) × group `g` (all ISAs: the scalar kernel): per block an
-    /// f32 sum of exact products in k order, times the block-scale product.
-    fn group_fp8(&self, g: usize, rows: &[usize], out: &mut [[f32; GROUP]; MR]) {
-        let (w, a) = (self.w, self.a);
-        let v = w.format.vector_size();
-        for c in 0..GROUP {
-            let (wd, ws) = w.fp8_col(g * GROUP + c);
-            for (o, &row) in out.iter_mut().zip(rows) {
-                let af = &a.af[row * a.kp..(row + 1) * a.kp];
-                let mut acc = 0f32;
-                for b in 0..a.kb {
-                    let mut bs = 0f32;
-                    for kk in b * v..(b + 1) * v {
-                        bs += af[kk] * e4m3_to_f32(wd[kk]); // exact product: one rounding, as an FMA
-                    }
-                    acc = bs.mul_add(scale_product(ScaleKind::E8m0, ws[b], a.sc[row * a.kb + b]), acc);
-                }
-                o[c] = acc;
-            }
-        }
     }
 }
 
@@ -128,7 +107,7 @@ impl Operands for Fp4Operands<'_> {
             for (ci, chunk) in rows.chunks(mr).enumerate() {
                 match &group {
                     Some(gr) => crate::simd::fp4_group(token, gr, &self.a.fp4_rows(chunk), &mut tile),
-                    None => self.group_fp8(g, chunk, &mut tile),
+                    None => crate::simd::fp8_group(token, &self.w.fp8_group(g), &self.a.fp8_rows(chunk), &mut tile),
                 }
                 for (i, t) in tile.iter().enumerate().take(chunk.len()) {
                     let off = (ci * mr + i) * width + g * GROUP - c0;
@@ -165,10 +144,11 @@ impl Operands for Fp4Operands<'_> {
                     range.map(|kk| a.a2(row, kk) as i128 * E2M1_DOUBLED[w.fp4_code(col, kk) as usize] as i128).sum();
                 acc.add(isum * sa * sb * tm as i128, -2 + ea + eb + te);
             } else {
-                let (wd, _) = w.fp8_col(col);
                 let mut isum = 0i128;
                 for kk in range {
-                    let (Some(x), Some(y)) = (e4m3_to_units_f32(a.af[row * a.kp + kk]), e4m3_to_units(wd[kk])) else {
+                    let (Some(x), Some(y)) =
+                        (e4m3_to_units_f32(a.af[row * a.kp + kk]), e4m3_to_units(w.fp8_byte(col, kk)))
+                    else {
                         return f64::NAN;
                     };
                     isum += x as i128 * y as i128;

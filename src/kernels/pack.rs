@@ -22,7 +22,9 @@ use crate::formats::fp4::{E2M1_DOUBLED, fp4_code};
 use crate::formats::fp8::{e4m3_scale_to_f32, e4m3_to_f32};
 use crate::formats::{BlockFormat, QuantizedRef};
 use crate::ops::weight_rows;
+use crate::pool::Pooled;
 use crate::simd::fp4::{E5M3_ACT_EXP, E8M0_ACT_BIAS, Fp4Group, Fp4Rows, ScaleKind};
+use crate::simd::fp8::{E8M0_FP8_ACT_BIAS, Fp8Group, Fp8Rows};
 use crate::simd::plain::{PackedRows, PlainKind, PlainPanel};
 use crate::simd::{GROUP, IsaToken, MR};
 use rayon::prelude::*;
@@ -63,7 +65,8 @@ fn fill_chunks<T: Send>(data: &mut [T], chunk: usize, parallel: bool, f: impl Fn
 /// is `activations.tensor_scale() · packed.tensor_scale()`
 /// ([`QkvFp4PackedArgs::new`](crate::QkvFp4PackedArgs::new) forms it). The layout is the same for
 /// every ISA: FP4 formats in 16-column groups (two nibbles of adjacent k-quads per byte) with
-/// denormal-free scale bytes, MXFP8 row-major. About 1.03× the bytes of the original weight.
+/// denormal-free scale bytes; MXFP8 in 16-column groups, k-major. About 1.03× the bytes of the
+/// original weight.
 #[derive(Debug, Clone)]
 pub struct PackedWeights {
     pub(crate) format: BlockFormat,
@@ -94,14 +97,29 @@ impl PackedWeights {
         let kb = w.k_blocks();
         let groups = n.div_ceil(GROUP);
         let raw_scales: Vec<u8> = (0..n).flat_map(|r| (0..kb).map(move |b| w.scale_byte(r, b))).collect();
-        let nan_col: Vec<bool> =
-            (0..n).map(|r| raw_scales[r * kb..(r + 1) * kb].iter().any(|&b| format.scale_to_f32(b).is_nan())).collect();
+        // A NaN scale, or (MXFP8) a NaN element: the SIMD decode of E4M3 has no NaN, so such
+        // columns take the exact path (which gives NaN).
+        let nan_col: Vec<bool> = (0..n)
+            .map(|r| {
+                raw_scales[r * kb..(r + 1) * kb].iter().any(|&b| format.scale_to_f32(b).is_nan())
+                    || (!format.is_fp4() && w.row(r).iter().any(|&b| b & 0x7F == 0x7F))
+            })
+            .collect();
         let min_scale = (0..n).map(|r| raw_scales[r * kb..(r + 1) * kb].iter().copied().min().unwrap_or(0)).collect();
-        let (data, scales) = if format.is_fp4() {
+        let mut scales = vec![0u8; groups * kb * GROUP];
+        for col in 0..n {
+            for b in 0..kb {
+                let sb = raw_scales[col * kb + b];
+                scales[(col / GROUP * kb + b) * GROUP + col % GROUP] = match format {
+                    BlockFormat::Nvfp4 => e5m3_from_e4m3_scale(sb).unwrap_or(0),
+                    _ => sb,
+                };
+            }
+        }
+        let data = if format.is_fp4() {
             let pairs = v / 8;
             let gbytes = kb * pairs * 64;
             let mut data = vec![0u8; groups * gbytes];
-            let mut scales = vec![0u8; groups * kb * GROUP];
             fill_chunks(&mut data, gbytes, parallel, |g, d| {
                 for c in 0..GROUP.min(n.saturating_sub(g * GROUP)) {
                     let row = w.row(g * GROUP + c);
@@ -116,26 +134,20 @@ impl PackedWeights {
                     }
                 }
             });
-            for col in 0..n {
-                for b in 0..kb {
-                    let sb = raw_scales[col * kb + b];
-                    scales[(col / GROUP * kb + b) * GROUP + col % GROUP] = match format {
-                        BlockFormat::Nvfp4 => e5m3_from_e4m3_scale(sb).unwrap_or(0),
-                        _ => sb,
-                    };
-                }
-            }
-            (data, scales)
+            data
         } else {
-            // MXFP8: row-major [groups·16, kb·V] bytes and [groups·16, kb] scale bytes.
+            // MXFP8: 16-column groups, k-major: byte (k, c) of group g at `g·kp·16 + k·16 + c`
+            // (one 16-byte load per k feeds 16 columns), zero padded to kb·V.
             let kp = kb * v;
             let mut data = vec![0u8; groups * GROUP * kp];
-            for col in 0..n {
-                data[col * kp..col * kp + k].copy_from_slice(w.row(col));
-            }
-            let mut scales = raw_scales.clone();
-            scales.resize(groups * GROUP * kb, 0);
-            (data, scales)
+            fill_chunks(&mut data, GROUP * kp, parallel, |g, d| {
+                for c in 0..GROUP.min(n.saturating_sub(g * GROUP)) {
+                    for (kk, &b) in w.row(g * GROUP + c).iter().enumerate() {
+                        d[kk * GROUP + c] = b;
+                    }
+                }
+            });
+            data
         };
         PackedWeights { format, n, k, kb, tensor_scale: w.tensor_scale(), data, scales, raw_scales, nan_col, min_scale }
     }
@@ -174,10 +186,22 @@ impl PackedWeights {
         }
     }
 
-    /// MXFP8 column `col`: `kb·V` data bytes and `kb` scale bytes.
-    pub(crate) fn fp8_col(&self, col: usize) -> (&[u8], &[u8]) {
+    /// Group `g` of MXFP8.
+    pub(crate) fn fp8_group(&self, g: usize) -> Fp8Group<'_> {
+        let v = self.format.vector_size();
+        let gb = self.kb * v * GROUP;
+        Fp8Group {
+            w: &self.data[g * gb..(g + 1) * gb],
+            ws: &self.scales[g * self.kb * GROUP..(g + 1) * self.kb * GROUP],
+            v,
+            kb: self.kb,
+        }
+    }
+
+    /// The E4M3 byte of element `k` of column `col` (MXFP8).
+    pub(crate) fn fp8_byte(&self, col: usize, k: usize) -> u8 {
         let kp = self.kb * self.format.vector_size();
-        (&self.data[col * kp..(col + 1) * kp], &self.scales[col * self.kb..(col + 1) * self.kb])
+        self.data[(col / GROUP) * kp * GROUP + k * GROUP + col % GROUP]
     }
 
     /// The E2M1 code of element `k` of column `col` (FP4 formats).
@@ -204,15 +228,15 @@ const fn pow2(e: i32) -> f32 {
 /// Block-scaled activations prepared once per call.
 pub(crate) struct Fp4Acts {
     /// FP4: doubled E2M1 as i8, `[m][kb·V]`.
-    a8: Vec<i8>,
+    a8: Pooled<i8>,
     /// MXFP8: decoded f32, `[m][kb·V]`.
-    pub af: Vec<f32>,
-    corr: Vec<i32>,
-    pub sc: Vec<u32>,
+    pub af: Pooled<f32>,
+    corr: Pooled<i32>,
+    pub sc: Pooled<u32>,
     /// The original scale bytes, `[m][kb]`.
-    raw: Vec<u8>,
-    pub nan_row: Vec<bool>,
-    pub min_scale: Vec<u8>,
+    raw: Pooled<u8>,
+    pub nan_row: Pooled<bool>,
+    pub min_scale: Pooled<u8>,
     pub kp: usize,
     pub kb: usize,
 }
@@ -224,20 +248,20 @@ impl Fp4Acts {
         let kb = a.k_blocks();
         let kp = kb * v;
         let mut acts = Fp4Acts {
-            a8: Vec::new(),
-            af: Vec::new(),
-            corr: vec![0; m * kb],
-            sc: vec![0; m * kb],
-            raw: vec![0; m * kb],
-            nan_row: vec![false; m],
-            min_scale: vec![0; m],
+            a8: Pooled::new(),
+            af: Pooled::new(),
+            corr: Pooled::filled(0, m * kb),
+            sc: Pooled::filled(0, m * kb),
+            raw: Pooled::filled(0, m * kb),
+            nan_row: Pooled::filled(false, m),
+            min_scale: Pooled::filled(0, m),
             kp,
             kb,
         };
         if format.is_fp4() {
-            acts.a8 = vec![0; m * kp];
+            acts.a8.resize(m * kp, 0);
         } else {
-            acts.af = vec![0.0; m * kp];
+            acts.af.resize(m * kp, 0.0);
         }
         for r in 0..m {
             let row = a.row(r);
@@ -270,7 +294,7 @@ impl Fp4Acts {
                     }
                     BlockFormat::Mxfp8 => {
                         acts.nan_row[r] |= byte == 0xFF;
-                        (byte as i32 - 127) as u32
+                        (byte as i32 - E8M0_FP8_ACT_BIAS) as u32
                     }
                 };
             }
@@ -286,6 +310,17 @@ impl Fp4Acts {
         Fp4Rows {
             a: std::array::from_fn(|i| &self.a8[pick(i) * kp..(pick(i) + 1) * kp]),
             corr: std::array::from_fn(|i| &self.corr[pick(i) * kb..(pick(i) + 1) * kb]),
+            sc: std::array::from_fn(|i| &self.sc[pick(i) * kb..(pick(i) + 1) * kb]),
+            count: rows.len().min(MR),
+        }
+    }
+
+    /// MXFP8 rows `rows` (≤ MR; later entries repeat the last).
+    pub fn fp8_rows(&self, rows: &[usize]) -> Fp8Rows<'_> {
+        let (kp, kb) = (self.kp, self.kb);
+        let pick = |i: usize| rows[i.min(rows.len() - 1)];
+        Fp8Rows {
+            a: std::array::from_fn(|i| &self.af[pick(i) * kp..(pick(i) + 1) * kp]),
             sc: std::array::from_fn(|i| &self.sc[pick(i) * kb..(pick(i) + 1) * kb]),
             count: rows.len().min(MR),
         }
@@ -385,8 +420,8 @@ pub(crate) struct PlainActs {
     pairs: usize,
     mr: usize,
     bf16_pairs: bool,
-    all: (Vec<f32>, Vec<u32>),
-    kv: Option<(Vec<f32>, Vec<u32>)>,
+    all: (Pooled<f32>, Pooled<u32>),
+    kv: Option<(Pooled<f32>, Pooled<u32>)>,
 }
 
 impl PlainActs {
@@ -400,13 +435,13 @@ impl PlainActs {
     ) -> Self {
         let pairs = k.div_ceil(2);
         let (mr, bf16_pairs) = crate::simd::plain_layout(token, kind);
-        let pack = |rows: &mut dyn Iterator<Item = usize>, n: usize| -> (Vec<f32>, Vec<u32>) {
+        let pack = |rows: &mut dyn Iterator<Item = usize>, n: usize| -> (Pooled<f32>, Pooled<u32>) {
             let len = n.div_ceil(mr) * pairs * if bf16_pairs { mr } else { 2 * mr };
-            let (mut f, mut p) = (Vec::new(), Vec::new());
+            let (mut f, mut p) = (Pooled::new(), Pooled::new());
             if bf16_pairs {
-                p = vec![0u32; len];
+                p.resize(len, 0u32);
             } else {
-                f = vec![0f32; len];
+                f.resize(len, 0f32);
             }
             let mut put = |i: usize, r: usize| {
                 let (b, rr) = (i / mr, i % mr);

@@ -6,13 +6,14 @@
 
 use super::epilogue::Dest;
 use super::operands::{Operands, Tile};
+use crate::pool::Pooled;
 use crate::simd::{GROUP, IsaToken};
 use rayon::prelude::*;
 use std::cell::RefCell;
 
 /// Column panel boundaries (multiples of 16, the last one the padded width).
 #[derive(Debug, Clone)]
-pub(crate) struct Panels(Vec<usize>);
+pub(crate) struct Panels(Pooled<usize>);
 
 impl Panels {
     /// Cuts `[0, n)` (padded to whole 16-column groups) into panels of at least `target` columns,
@@ -21,7 +22,8 @@ impl Panels {
     /// Llama-3-8B shape (README), 128-column panels beat 64-column ones at M = 1 and 8.
     pub fn new(n: usize, target: usize, may_cut: impl Fn(usize) -> bool) -> Panels {
         let np = n.div_ceil(GROUP) * GROUP;
-        let mut b = vec![0];
+        let mut b: Pooled<usize> = Pooled::new();
+        b.push(0);
         let mut c = GROUP;
         while c < np {
             if c - b[b.len() - 1] >= target && may_cut(c) {

@@ -8,6 +8,7 @@ use crate::cache::{CacheShape, KvSel, KvWrite, PageTable, SlotPlan};
 use crate::element::Element;
 use crate::error::{Error, Expected, Result, checked_len};
 use crate::formats::{BlockFormat, QuantizedRef};
+use crate::pool::Pooled;
 
 /// How the reference accumulates a dot product.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -254,7 +255,7 @@ pub fn freqs_cis(rows: usize, dim: usize, theta: f64) -> Vec<f32> {
 }
 
 /// A validated RoPE: per row the freqs row of its position (`None`: the row is not rotated).
-pub(crate) type Positions = Vec<Option<usize>>;
+pub(crate) type Positions = Pooled<Option<usize>>;
 
 fn check_freqs_row(position: u64, rows: usize) -> Result<usize> {
     if position < rows as u64 { Ok(position as usize) } else { Err(Error::FreqsRows { position, rows }) }
@@ -327,9 +328,9 @@ pub(crate) fn validate_rope_ragged<T: Element, F: Element, C: Element>(
     }
     let freq_rows = freqs_rows(args.freqs_cis, rd)?;
     let positions = ragged_positions(&rows, args.position_ids, kv.page_table.cache_lengths(), freq_rows)?;
-    let writes: Vec<_> = rows.iter().map(|&(b, t)| (b, t, true)).collect();
+    let writes: Pooled<_> = rows.iter().map(|&(b, t)| (b, t, true)).collect();
     let plan = SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)?;
-    Ok((plan, positions.into_iter().map(Some).collect()))
+    Ok((plan, positions.iter().map(|&p| Some(p)).collect()))
 }
 
 /// The freqs row of every row of a ragged batch: `position_ids[i]`, or `cache_lengths[b] + t`.
@@ -338,7 +339,7 @@ fn ragged_positions(
     ids: Option<&[u32]>,
     cache_lengths: &[u32],
     freq_rows: usize,
-) -> Result<Vec<usize>> {
+) -> Result<Pooled<usize>> {
     if let Some(ids) = ids {
         check_tensor("position_ids", ids.len(), &[rows.len()])?;
     }
@@ -390,7 +391,7 @@ pub(crate) fn validate_qkv_rope(
     match rows {
         Some(rows) => {
             let p = ragged_positions(rows, rope.position_ids, cache_lengths, freq_rows)?;
-            Ok(p.into_iter().map(Some).collect())
+            Ok(p.iter().map(|&p| Some(p)).collect())
         }
         None => {
             if rope.position_ids.is_some() {
@@ -418,7 +419,7 @@ pub(crate) fn validate_kv_store<C: Element>(
     which: KvSel,
     values_len: usize,
     dims: &[usize],
-    rows: Result<Vec<(usize, usize, bool)>>,
+    rows: Result<Pooled<(usize, usize, bool)>>,
     batch: usize,
     kv: &KvWrite<'_, C>,
 ) -> Result<SlotPlan> {
@@ -439,7 +440,7 @@ pub(crate) fn validate_kv_store_ragged<T: Element, C: Element>(
 ) -> Result<SlotPlan> {
     let shape = kv.cache.shape();
     let m = args.input_row_offsets.last().map_or(0, |&x| x as usize);
-    let rows = ragged_rows(args.input_row_offsets, m).map(|r| r.into_iter().map(|(b, t)| (b, t, true)).collect());
+    let rows = ragged_rows(args.input_row_offsets, m).map(|r| r.iter().map(|&(b, t)| (b, t, true)).collect());
     let dims = [m, shape.num_kv_heads(), shape.head_size()];
     validate_kv_store(args.which, args.values.len(), &dims, rows, args.input_row_offsets.len().max(1) - 1, kv)
 }
@@ -458,7 +459,7 @@ pub(crate) fn validate_kv_store_bshd<T: Element, C: Element>(
 
 /// `(batch, t)` of every row of a ragged batch, after checking `input_row_offsets`: at least one
 /// entry, starting at 0, non-decreasing, ending at `m`.
-pub(crate) fn ragged_rows(offsets: &[u32], m: usize) -> Result<Vec<(usize, usize)>> {
+pub(crate) fn ragged_rows(offsets: &[u32], m: usize) -> Result<Pooled<(usize, usize)>> {
     let Some(&first) = offsets.first() else {
         return Err(Error::Shape { arg: "input_row_offsets", expected: Expected::AtLeast(1), found: 0 });
     };
@@ -477,7 +478,8 @@ pub(crate) fn ragged_rows(offsets: &[u32], m: usize) -> Result<Vec<(usize, usize
             reason: format!("must equal the row count {m}, found {last}"),
         });
     }
-    let mut rows = Vec::with_capacity(m);
+    let mut rows = Pooled::new();
+    rows.reserve(m);
     for (b, w) in offsets.windows(2).enumerate() {
         rows.extend((0..(w[1] - w[0]) as usize).map(|t| (b, t)));
     }
@@ -568,11 +570,11 @@ pub(crate) fn validate_qkv_ragged<C: Element>(
         check_tensor("bias", len, &[n])?;
     }
     check_tensor("output", output_len, &[m, q_dim])?;
-    let writes: Vec<_> = rows.iter().map(|&(b, t)| (b, t, true)).collect();
+    let writes: Pooled<_> = rows.iter().map(|&(b, t)| (b, t, true)).collect();
     let plan = SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)?;
     let positions = match rope {
         Some(r) => validate_qkv_rope(r, q_dim, n, &shape, &plan, Some(&rows), kv.page_table.cache_lengths())?,
-        None => Vec::new(),
+        None => Pooled::new(),
     };
     Ok((plan, positions))
 }
@@ -602,14 +604,15 @@ pub(crate) fn validate_qkv_bshd<C: Element>(
     let plan = SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)?;
     let positions = match rope {
         Some(r) => validate_qkv_rope(r, q_dim, n, &shape, &plan, None, kv.page_table.cache_lengths())?,
-        None => Vec::new(),
+        None => Pooled::new(),
     };
     Ok((plan, positions))
 }
 
 /// `(b, t, t < valid_lengths[b])` for every row of a padded batch.
-pub(crate) fn padded_rows(valid_lengths: &[u32], seq_len: usize) -> Vec<(usize, usize, bool)> {
-    let mut rows = Vec::with_capacity(valid_lengths.len() * seq_len);
+pub(crate) fn padded_rows(valid_lengths: &[u32], seq_len: usize) -> Pooled<(usize, usize, bool)> {
+    let mut rows = Pooled::new();
+    rows.reserve(valid_lengths.len() * seq_len);
     for (b, &v) in valid_lengths.iter().enumerate() {
         rows.extend((0..seq_len).map(|t| (b, t, t < v as usize)));
     }
@@ -646,11 +649,11 @@ pub(crate) fn validate_fp4<C: Element>(
     check_table_batch(&kv.page_table, input_row_offsets.len() - 1)?;
     check_split(n, q_dim, &shape)?;
     check_tensor("output", output_len, &[m, q_dim])?;
-    let writes: Vec<_> = rows.iter().map(|&(b, t)| (b, t, true)).collect();
+    let writes: Pooled<_> = rows.iter().map(|&(b, t)| (b, t, true)).collect();
     let plan = SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)?;
     let positions = match rope {
         Some(r) => validate_qkv_rope(r, q_dim, n, &shape, &plan, Some(&rows), kv.page_table.cache_lengths())?,
-        None => Vec::new(),
+        None => Pooled::new(),
     };
     Ok((plan, positions))
 }

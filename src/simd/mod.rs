@@ -1,6 +1,6 @@
 //! The only module with `core::arch`: ISA detection and the per-ISA micro-kernels, behind one
-//! dispatch per kernel family. It knows memory layouts of operands (defined in [`fp4`] and
-//! [`plain`], next to the portable kernel of each family) and nothing of formats, caches or
+//! dispatch per kernel family. It knows memory layouts of operands (defined in [`fp4`], [`fp8`]
+//! and [`plain`], next to the portable kernel of each family) and nothing of formats, caches or
 //! scheduling: `crate::kernels` builds the operands and calls in; nothing here calls back.
 //!
 //! **FP4** (NVFP4, MXFP4): for up to [`MR`] activation rows and one 16-column weight group, every
@@ -18,6 +18,9 @@
 //! when a term overflows. The tests use the scalar kernel as the bit-exact judge of the SIMD
 //! paths (the oracle judges the scalar kernel within an error bound).
 //!
+//! **MXFP8**: the same structure with f32 block sums, in the canonical order of [`fp8`] (E4M3
+//! weights widened exactly through IEEE half bits, a chain of FMAs per block in k order).
+//!
 //! **Plain** (bf16, f16, f32): register-blocked micro-kernels over packed 16-column groups, in the
 //! canonical order of [`plain`] (a chain of FMAs, odd element of each k-pair first). The FMA
 //! kernels (scalar, AVX2, AVX-512 F, NEON) are bit-identical. [`Isa::Avx512Bf16`] runs bf16 on
@@ -33,6 +36,7 @@
 #![allow(clippy::needless_range_loop)]
 
 pub(crate) mod fp4;
+pub(crate) mod fp8;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 pub(crate) mod plain;
@@ -42,6 +46,7 @@ mod x86;
 
 use crate::error::{Error, Result};
 use fp4::{Fp4Group, Fp4Rows, group_scalar};
+use fp8::{Fp8Group, Fp8Rows};
 use plain::{PackedRows, PlainKind, PlainPanel, panel_scalar};
 use std::sync::OnceLock;
 
@@ -256,6 +261,57 @@ pub(crate) fn fp4_group(token: IsaToken, g: &Fp4Group<'_>, rows: &Fp4Rows<'_>, o
             by_rows!(k)
         },
         _ => group_scalar(g, rows, out),
+    }
+}
+
+/// Runs the MXFP8 group kernel of `token`'s ISA on `rows.count()` (≤ [`fp4_mr`]) rows, writing
+/// `out[r][c]` for r < rows.count(), c < 16.
+pub(crate) fn fp8_group(token: IsaToken, g: &Fp8Group<'_>, rows: &Fp8Rows<'_>, out: &mut [[f32; GROUP]; MR]) {
+    g.check(rows);
+    assert!(rows.count <= fp4_mr(token));
+    macro_rules! by_rows {
+        ($f:ident) => {
+            match rows.count {
+                1 => $f::<1>(g, rows, out),
+                2 => $f::<2>(g, rows, out),
+                3 => $f::<3>(g, rows, out),
+                _ => $f::<4>(g, rows, out),
+            }
+        };
+        ($f:ident, 8) => {
+            match rows.count {
+                1 => $f::<1>(g, rows, out),
+                2 => $f::<2>(g, rows, out),
+                3 => $f::<3>(g, rows, out),
+                4 => $f::<4>(g, rows, out),
+                5 => $f::<5>(g, rows, out),
+                6 => $f::<6>(g, rows, out),
+                7 => $f::<7>(g, rows, out),
+                _ => $f::<8>(g, rows, out),
+            }
+        };
+    }
+    match token.0 {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the token proves AVX2, FMA and F16C were detected; `check` proved the slice
+        // lengths the kernel's unchecked loads rely on.
+        Isa::Avx2 => unsafe {
+            use x86::fp8::fp8_group_avx2 as k;
+            by_rows!(k)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the token proves AVX-512 F and BW were detected; lengths as above.
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
+            use x86::fp8::fp8_group_avx512 as k;
+            by_rows!(k, 8)
+        },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: the token proves NEON was detected; lengths as above.
+        Isa::Neon | Isa::NeonDotprod | Isa::NeonI8mm => unsafe {
+            use neon::fp8::fp8_group_neon as k;
+            by_rows!(k)
+        },
+        _ => fp8::group_scalar(g, rows, out),
     }
 }
 

@@ -1,0 +1,179 @@
+//! A server calls the packed fused QKV once per layer and step: in steady state (same shapes,
+//! warm thread), those calls make no heap allocation. A counting global allocator proves it for
+//! the block-scaled and the bf16 packed paths, with and without fused RoPE, decode (M = 1) and a
+//! small prefill, sequential and on a one-thread rayon pool.
+
+use paged_qkv::fast::{self, PackedPlainWeights, PackedWeights, QkvFp4PackedArgs, QkvRaggedPackedArgs};
+use paged_qkv::formats::quantize::{amax, nvfp4_global_scale, quantize};
+use paged_qkv::ops::{Freqs, QkvRope};
+use paged_qkv::{BlockFormat, CacheShape, Exec, Isa, KvWrite, PageTable, PagedKvCache, Par, RopeMath, bf16};
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+
+/// Counts allocations made by the current thread while `COUNTING` is set on it.
+struct Counting;
+
+thread_local! {
+    static COUNTING: Cell<bool> = const { Cell::new(false) };
+    static COUNT: Cell<usize> = const { Cell::new(0) };
+}
+
+fn note() {
+    // `try_with`: the allocator also runs while thread-locals are torn down.
+    let _ = COUNTING.try_with(|c| {
+        if c.get() {
+            let _ = COUNT.try_with(|n| n.set(n.get() + 1));
+        }
+    });
+}
+
+// SAFETY: every method forwards to `System` with the caller's arguments unchanged.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        note();
+        // SAFETY: forwarded as is (the caller upholds `GlobalAlloc::alloc`'s contract).
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: forwarded as is.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        note();
+        // SAFETY: forwarded as is.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        note();
+        // SAFETY: forwarded as is.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+/// Allocations `f` makes on this thread.
+fn allocations(f: impl FnOnce()) -> usize {
+    COUNT.with(|n| n.set(0));
+    COUNTING.with(|c| c.set(true));
+    f();
+    COUNTING.with(|c| c.set(false));
+    COUNT.with(|n| n.get())
+}
+
+/// The counter counts (the tests below would pass vacuously otherwise).
+#[test]
+fn the_counter_sees_an_allocation() {
+    let n = allocations(|| {
+        std::hint::black_box(Vec::<u8>::with_capacity(64));
+    });
+    assert_eq!(n, 1);
+}
+
+const K: usize = 256;
+const HEAD: usize = 64;
+const HQ: usize = 4;
+const HKV: usize = 2;
+
+fn weights() -> Vec<f32> {
+    let n = (HQ + 2 * HKV) * HEAD;
+    (0..n * K).map(|i| ((i as f32) * 0.37).sin()).collect()
+}
+
+/// Runs `call(m, exec)` a few times to warm up, then returns the allocations of 5 more calls.
+fn steady(mut call: impl FnMut(usize, Exec) + Send) -> Vec<(usize, Par, Isa, usize)> {
+    let mut found = Vec::new();
+    for isa in Isa::available() {
+        for par in [Par::Sequential, Par::Rayon] {
+            for m in [1usize, 9] {
+                let exec = Exec { par, isa: Some(isa) };
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+                pool.install(|| {
+                    for _ in 0..4 {
+                        call(m, exec);
+                    }
+                    let n = allocations(|| {
+                        for _ in 0..5 {
+                            call(m, exec);
+                        }
+                    });
+                    found.push((m, par, isa, n));
+                });
+            }
+        }
+    }
+    found
+}
+
+fn rope_table() -> Vec<f32> {
+    paged_qkv::freqs_cis(64, HEAD, 10000.0)
+}
+
+#[test]
+fn packed_fp4_calls_do_not_allocate_in_steady_state() {
+    let w = weights();
+    let n = w.len() / K;
+    let packed =
+        PackedWeights::new(quantize(BlockFormat::Nvfp4, &w, n, K, nvfp4_global_scale(amax(&w))).unwrap().as_ref());
+    let x: Vec<f32> = (0..9 * K).map(|i| ((i as f32) * 0.11).cos()).collect();
+    let acts: Vec<_> = [1usize, 9]
+        .iter()
+        .map(|&m| quantize(BlockFormat::Nvfp4, &x[..m * K], m, K, nvfp4_global_scale(amax(&x))).unwrap())
+        .collect();
+    let freqs = rope_table();
+    let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(8, 1, 16, HKV, HEAD).unwrap());
+    let mut q = vec![bf16::ZERO; 9 * HQ * HEAD];
+    for with_rope in [false, true] {
+        let found = steady(|m, exec| {
+            let a = &acts[usize::from(m > 1)];
+            let offsets = [0u32, m as u32];
+            let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0, 1], 2, &[3]).unwrap(), 0);
+            let rope = with_rope.then(|| QkvRope {
+                freqs_cis: Freqs::F32(&freqs),
+                q_head_size: HEAD,
+                rope_dim: HEAD,
+                interleaved: false,
+                position_ids: None,
+                math: RopeMath::F32,
+            });
+            let args = QkvFp4PackedArgs { rope, ..QkvFp4PackedArgs::new(a.as_ref(), &offsets, &packed, HQ * HEAD) };
+            fast::qkv_fp4_ragged_packed(&args, &mut q[..m * HQ * HEAD], &mut kv, exec).unwrap();
+        });
+        assert!(found.iter().all(|f| f.3 == 0), "rope {with_rope}: (M, par, ISA, allocations) {found:?}");
+    }
+}
+
+#[test]
+fn packed_bf16_calls_do_not_allocate_in_steady_state() {
+    let w: Vec<bf16> = weights().into_iter().map(bf16::from_f32).collect();
+    let packed = PackedPlainWeights::new(&w, K).unwrap();
+    let x: Vec<bf16> = (0..9 * K).map(|i| bf16::from_f32(((i as f32) * 0.11).cos())).collect();
+    let freqs = rope_table();
+    let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(8, 1, 16, HKV, HEAD).unwrap());
+    let mut q = vec![bf16::ZERO; 9 * HQ * HEAD];
+    for with_rope in [false, true] {
+        let found = steady(|m, exec| {
+            let offsets = [0u32, m as u32];
+            let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0, 1], 2, &[3]).unwrap(), 0);
+            let rope = with_rope.then(|| QkvRope {
+                freqs_cis: Freqs::F32(&freqs),
+                q_head_size: HEAD,
+                rope_dim: HEAD,
+                interleaved: false,
+                position_ids: None,
+                math: RopeMath::F32,
+            });
+            let args = QkvRaggedPackedArgs {
+                hidden_state: &x[..m * K],
+                input_row_offsets: &offsets,
+                weight: &packed,
+                bias: None,
+                q_dim: HQ * HEAD,
+                rope,
+            };
+            fast::qkv_ragged_packed(&args, &mut q[..m * HQ * HEAD], &mut kv, exec).unwrap();
+        });
+        assert!(found.iter().all(|f| f.3 == 0), "rope {with_rope}: (M, par, ISA, allocations) {found:?}");
+    }
+}
