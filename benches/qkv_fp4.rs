@@ -5,7 +5,7 @@
 //!
 //! Baselines: the `gemm` crate's f32 GEMM on the same (M, N, K) with pre-dequantized operands;
 //! a plain read of the same FP4 weight + scale bytes; the crate's scalar reference (M = 1); peak
-//! loops of `vpdpbusd` and of the AVX2 `vpmaddubsw` chain, in `peak/ops`.
+//! loops of `vpdpbusd`, of the AVX2 `vpmaddubsw` chain and of f32 FMA, in `peak/ops`.
 
 use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main, measurement::WallTime};
 use paged_qkv::fast::{matmul_fp4_packed, qkv_fp4_ragged_packed};
@@ -156,13 +156,14 @@ fn compute(c: &mut Criterion) {
     for model in [LLAMA, QWEN] {
         let (k, n) = (model.k, model.n());
         let wf = random(n * k, 1);
-        let wq: Vec<(BlockFormat, PackedWeights, QuantizedMatrix)> = [BlockFormat::Nvfp4, BlockFormat::Mxfp4]
-            .into_iter()
-            .map(|f| {
-                let q = quant(f, &wf, n, k);
-                (f, PackedWeights::new(q.as_ref()), q)
-            })
-            .collect();
+        let wq: Vec<(BlockFormat, PackedWeights, QuantizedMatrix)> =
+            [BlockFormat::Nvfp4, BlockFormat::Mxfp4, BlockFormat::Mxfp8]
+                .into_iter()
+                .map(|f| {
+                    let q = quant(f, &wf, n, k);
+                    (f, PackedWeights::new(q.as_ref()), q)
+                })
+                .collect();
         let w_deq = dequantize(wq[0].2.as_ref(), wq[0].2.tensor_scale());
         for m in [1usize, 8, 64, 512] {
             let af = random(m * k, 2 + m as u64);
@@ -219,11 +220,16 @@ fn compute(c: &mut Criterion) {
 /// M = 1 against a plain read of the same bytes: L3-hot (one layer) and from DRAM (cycling
 /// through enough layers to exceed the last-level cache), and with 1/64 subnormal scales.
 fn decode(c: &mut Criterion) {
-    let model = LLAMA;
+    for model in [LLAMA, QWEN] {
+        decode_model(c, model);
+    }
+}
+
+fn decode_model(c: &mut Criterion, model: Model) {
     let (k, n) = (model.k, model.n());
     let wf = random(n * k, 1);
     let af = random(k, 9);
-    for f in [BlockFormat::Nvfp4, BlockFormat::Mxfp4] {
+    for f in [BlockFormat::Nvfp4, BlockFormat::Mxfp4, BlockFormat::Mxfp8] {
         let q = quant(f, &wf, n, k);
         let raw_bytes = q.data().len() + q.scales().len();
         let pw = PackedWeights::new(q.as_ref());
@@ -285,11 +291,12 @@ fn decode(c: &mut Criterion) {
 #[path = "common/peak.rs"]
 mod peak;
 
-/// The integer peaks the targets are stated against: `vpdpbusd` (AVX-512 VNNI) and the AVX2
-/// `vpmaddubsw` + `vpaddw` chain, per thread count; ops count a multiply-add as 2, like FLOP.
+/// The peaks the targets are stated against: `vpdpbusd` (AVX-512 VNNI) and the AVX2
+/// `vpmaddubsw` + `vpaddw` chain for the FP4 formats, f32 FMA (zmm, ymm) for MXFP8, per thread
+/// count; ops count a multiply-add as 2, like FLOP.
 fn peaks(c: &mut Criterion) {
     let mut g = setup_group(c, "peak/ops");
-    peak::run(&mut g, &["vpdpbusd_zmm", "maddubs_ymm"]);
+    peak::run(&mut g, &["vpdpbusd_zmm", "maddubs_ymm", "fma_zmm", "fma_ymm"]);
     g.finish();
 }
 

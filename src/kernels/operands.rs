@@ -91,13 +91,17 @@ impl Operands for Fp4Operands<'_> {
         let mut tile = [[0f32; GROUP]; MR];
         let mr = crate::simd::fp4_mr(token);
         let (mut g0, g1) = (c0 / GROUP, c1 / GROUP);
-        if rows.len() == 1 && self.w.format.is_fp4() {
+        if rows.len() == 1 {
             // One row (decode): several groups per call, for independent accumulator chains.
-            let a = self.a.fp4_rows(rows);
             let mut out = [[0f32; GROUP]; ROW_GROUPS];
             while g0 + ROW_GROUPS <= g1 {
-                let gs = std::array::from_fn(|i| self.w.fp4_group(g0 + i));
-                crate::simd::fp4_row(token, &gs, &a, &mut out);
+                if self.w.format.is_fp4() {
+                    let gs = std::array::from_fn(|i| self.w.fp4_group(g0 + i));
+                    crate::simd::fp4_row(token, &gs, &self.a.fp4_rows(rows), &mut out);
+                } else {
+                    let gs = std::array::from_fn(|i| self.w.fp8_group(g0 + i));
+                    crate::simd::fp8_row(token, &gs, &self.a.fp8_rows(rows), &mut out);
+                }
                 buf[g0 * GROUP - c0..(g0 + ROW_GROUPS) * GROUP - c0].copy_from_slice(out.as_flattened());
                 g0 += ROW_GROUPS;
             }

@@ -9,7 +9,7 @@ use crate::cache::{CacheShape, SlotPlan};
 use crate::element::Element;
 use crate::ops::RopeMath;
 use crate::simd::IsaToken;
-use crate::simd::rope::{RopeRow, Round, narrow, rotate_heads, widen};
+use crate::simd::rope::{RopeRow, Round, narrow, rotate_heads, rotate_heads_from, widen};
 use rayon::prelude::*;
 
 /// Splits `cache` into the disjoint slices `[bases[r], bases[r] + len)` (`None` where a row has no
@@ -69,8 +69,15 @@ impl<F: Element> RopeSpec<'_, F> {
         bufs.1.resize(rd, 0.0);
         RopeRow::fill(&self.freqs[p * rd..(p + 1) * rd], &mut bufs.0);
         let row = RopeRow::view(&bufs.0, rd);
-        out.copy_from_slice(q); // the non-rotary dims are copied
-        rotate_heads(token, out, self.q_heads, &row, self.interleaved, self.round(), &mut bufs.1);
+        if size_of::<T>() == 2 {
+            // bf16/f16: one pass from q into out (measured: 0.57 vs 0.82 ms for 512 Llama tokens).
+            rotate_heads_from(token, Some(q), out, self.q_heads, &row, self.interleaved, self.round(), &mut bufs.1);
+        } else {
+            // f32: a copy then the rotation in place measured faster than the one pass (0.96 vs
+            // 1.17 ms for 512 Llama tokens, Intel Xeon; the cause was not found).
+            out.copy_from_slice(q);
+            rotate_heads(token, out, self.q_heads, &row, self.interleaved, self.round(), &mut bufs.1);
+        }
         rotate_heads(token, k, self.k_heads, &row, self.interleaved, self.round(), &mut bufs.1);
     }
 }

@@ -315,6 +315,35 @@ pub(crate) fn fp8_group(token: IsaToken, g: &Fp8Group<'_>, rows: &Fp8Rows<'_>, o
     }
 }
 
+/// Runs the MXFP8 kernel of `token`'s ISA on one activation row (`rows.count == 1`) and
+/// [`ROW_GROUPS`] groups of the same weight, writing `out[g][c]`: the same bits as
+/// [`fp8_group`] on each group, with independent chains where the ISA has a kernel for it.
+pub(crate) fn fp8_row(
+    token: IsaToken,
+    gs: &[Fp8Group<'_>; ROW_GROUPS],
+    rows: &Fp8Rows<'_>,
+    out: &mut [[f32; GROUP]; ROW_GROUPS],
+) {
+    assert_eq!(rows.count, 1);
+    for g in gs {
+        g.check(rows);
+        assert!(g.v == gs[0].v && g.kb == gs[0].kb);
+    }
+    match token.0 {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the token proves AVX-512 F and BW were detected; `check` proved every group's
+        // lengths, and the groups share v and kb (asserted above).
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::fp8::fp8_row_avx512(gs, rows, out) },
+        _ => {
+            let mut tile = [[0f32; GROUP]; MR];
+            for (g, o) in gs.iter().zip(out.iter_mut()) {
+                fp8_group(token, g, rows, &mut tile);
+                *o = tile[0];
+            }
+        }
+    }
+}
+
 /// Runs the FP4 kernel of `token`'s ISA on one activation row (`rows.count() == 1`) and
 /// [`ROW_GROUPS`] groups of the same weight, writing `out[g][c]`: the same bits as
 /// [`fp4_group`] on each group, with independent chains where the ISA has a kernel for it.

@@ -166,6 +166,23 @@ pub(crate) fn narrow<T: Element>(token: IsaToken, src: &[f32], dst: &mut [T]) {
 pub(crate) fn rotate_heads<T: Element>(
     token: IsaToken,
     x: &mut [T],
+    heads: (usize, usize),
+    row: &RopeRow<'_>,
+    interleaved: bool,
+    r: Round,
+    buf: &mut [f32],
+) {
+    rotate_heads_from(token, None, x, heads, row, interleaved, r, buf)
+}
+
+/// [`rotate_heads`] reading from `src` (the same layout as `x`) when given: `x` receives the
+/// rotated heads, their other dims copied from `src` — one pass over the bytes instead of a copy
+/// and an in-place pass.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rotate_heads_from<T: Element>(
+    token: IsaToken,
+    src: Option<&[T]>,
+    x: &mut [T],
     (heads, d): (usize, usize),
     row: &RopeRow<'_>,
     interleaved: bool,
@@ -175,34 +192,51 @@ pub(crate) fn rotate_heads<T: Element>(
     let rd = row.f.len();
     assert!(rd.is_multiple_of(2) && rd <= d && x.len() >= heads * d && buf.len() >= rd);
     assert!(row.fsw.len() == rd && row.c.len() == rd / 2 && row.s.len() == rd / 2);
+    assert!(src.is_none_or(|s| s.len() >= heads * d));
     let at = if interleaved { d - rd } else { 0 };
     #[cfg(target_arch = "x86_64")]
-    if matches!(token.0, Isa::Avx512 | Isa::Avx512Bf16) {
+    if matches!(token.0, Isa::Avx512 | Isa::Avx512Bf16) && T::DTYPE != DType::F8E4M3 {
         use super::x86::rope::{BF16, F16, F32, heads_avx512};
+        if let Some(s) = src
+            && rd < d
+        {
+            // The dims outside the rotary region are copied.
+            for h in 0..heads {
+                let (r0, r1) = (h * d + at, h * d + at + rd);
+                x[h * d..r0].copy_from_slice(&s[h * d..r0]);
+                x[r1..(h + 1) * d].copy_from_slice(&s[r1..(h + 1) * d]);
+            }
+        }
         let p = x.as_mut_ptr().cast::<u8>();
-        // SAFETY: the token proves AVX-512 F; x holds heads · d elements of T, whose kind (and so
-        // size) the match selects; the asserts above prove the lengths of `row`.
+        let from = src.map_or(p.cast_const(), |s| s.as_ptr().cast::<u8>());
+        // SAFETY: the token proves AVX-512 F; x (and src, a distinct borrow when given, so not
+        // overlapping) holds heads · d elements of T, whose kind (and so size) the match selects;
+        // the asserts above prove the lengths of `row`.
         let done = unsafe {
             match T::DTYPE {
-                DType::BF16 => heads_avx512::<BF16>(p, heads, d, rd, row, interleaved, r),
-                DType::F16 => heads_avx512::<F16>(p, heads, d, rd, row, interleaved, r),
-                DType::F32 => heads_avx512::<F32>(p, heads, d, rd, row, interleaved, r),
-                DType::F8E4M3 => 0,
+                DType::BF16 => heads_avx512::<BF16>(from, p, heads, d, rd, row, interleaved, r),
+                DType::F16 => heads_avx512::<F16>(from, p, heads, d, rd, row, interleaved, r),
+                _ => heads_avx512::<F32>(from, p, heads, d, rd, row, interleaved, r),
             }
         };
-        if done > 0 || T::DTYPE != DType::F8E4M3 {
-            // The tail pairs (fewer than a vector), one at a time.
-            for h in 0..heads {
-                let head = &mut x[h * d + at..h * d + at + rd];
-                for i in done..rd / 2 {
-                    let (j0, j1) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + rd / 2) };
-                    let (y0, y1) = pair(head[j0].to_f32(), head[j1].to_f32(), row.c[i], row.s[i], r);
-                    head[j0] = T::from_f32(y0);
-                    head[j1] = T::from_f32(y1);
-                }
+        // The tail pairs (fewer than a vector), one at a time.
+        for h in 0..heads {
+            let (o, head) = (h * d + at, &mut x[h * d + at..h * d + at + rd]);
+            for i in done..rd / 2 {
+                let (j0, j1) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + rd / 2) };
+                let (x0, x1) = match src {
+                    Some(s) => (s[o + j0].to_f32(), s[o + j1].to_f32()),
+                    None => (head[j0].to_f32(), head[j1].to_f32()),
+                };
+                let (y0, y1) = pair(x0, x1, row.c[i], row.s[i], r);
+                head[j0] = T::from_f32(y0);
+                head[j1] = T::from_f32(y1);
             }
-            return;
         }
+        return;
+    }
+    if let Some(s) = src {
+        x[..heads * d].copy_from_slice(&s[..heads * d]);
     }
     for h in 0..heads {
         let region = &mut x[h * d + at..h * d + at + rd];

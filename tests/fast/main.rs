@@ -225,7 +225,7 @@ fn real_shapes_and_adversarial_scales() {
     }
 }
 
-/// One token (decode): the one-row kernel takes four column groups per call. Head sizes of 16,
+/// One token (decode): the one-row kernels (FP4 and MXFP8) take four column groups per call. Head sizes of 16,
 /// 64, 128 and 48 columns give panels of 1 to 8 groups: whole four-group calls, remainders, and
 /// panels with no four-group call at all; a tiny `tensor_sf` checks the subnormal end.
 #[test]
@@ -233,7 +233,7 @@ fn decode_row_kernel_is_bit_identical() {
     let isas = isas();
     let mut rng = Rng::new(54);
     for (case, (hd, hq)) in [(16usize, 7usize), (64, 5), (128, 3), (48, 3)].into_iter().enumerate() {
-        for format in [BlockFormat::Nvfp4, BlockFormat::Mxfp4] {
+        for format in BlockFormat::ALL {
             let c = Config {
                 format,
                 k: [256, 160, 512, 96][case],

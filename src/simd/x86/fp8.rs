@@ -4,7 +4,7 @@
 //! activation broadcast from memory.
 
 use crate::simd::fp8::{Fp8Group, Fp8Rows};
-use crate::simd::{GROUP, MR};
+use crate::simd::{GROUP, MR, ROW_GROUPS};
 use std::arch::x86_64::*;
 
 /// # Safety
@@ -133,5 +133,61 @@ pub(crate) unsafe fn fp8_group_avx2<const R: usize>(
             unsafe { _mm256_storeu_ps(tmp.as_mut_ptr(), acc[r]) };
             out[r][half * 8..half * 8 + 8].copy_from_slice(&tmp);
         }
+    }
+}
+
+/// One activation row against [`ROW_GROUPS`] adjacent groups (decode, M = 1): per column the
+/// arithmetic of [`fp8_group_avx512`] (so the same bits), with one FMA chain per group where a
+/// single group has one: that chain's latency, not the weight bytes, bounded the one-row loop.
+///
+/// # Safety
+/// AVX-512 F and BW must be available; `g.check(rows)` must have passed for every group, all
+/// with the same `v` and `kb`.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(crate) unsafe fn fp8_row_avx512(
+    gs: &[Fp8Group<'_>; ROW_GROUPS],
+    rows: &Fp8Rows<'_>,
+    out: &mut [[f32; GROUP]; ROW_GROUPS],
+) {
+    const G: usize = ROW_GROUPS;
+    let sign = _mm512_set1_epi16(0x8000u16 as i16);
+    let (v, kbs) = (gs[0].v, gs[0].kb);
+    let a = rows.a[0];
+    let mut acc = [_mm512_setzero_ps(); G];
+    for b in 0..kbs {
+        let mut bs = [_mm512_setzero_ps(); G];
+        for kk in (b * v..(b + 1) * v).step_by(2) {
+            // SAFETY: `check` proved a.len() ≥ kb · V > kk + 1.
+            let (a0, a1) = unsafe { (_mm512_set1_ps(at(a, kk)), _mm512_set1_ps(at(a, kk + 1))) };
+            for (g, s) in gs.iter().zip(bs.iter_mut()) {
+                // SAFETY: `check` proved g.w.len() ≥ kb · V · 16 ≥ (kk + 2) · 16.
+                let x = unsafe { _mm512_cvtepu8_epi16(_mm256_loadu_si256(g.w.as_ptr().add(kk * GROUP).cast())) };
+                let mag = _mm512_srli_epi16::<2>(_mm512_slli_epi16::<9>(x));
+                let h = _mm512_ternarylogic_epi32::<0xD8>(mag, _mm512_slli_epi16::<8>(x), sign);
+                let w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+                let w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(h));
+                *s = _mm512_fmadd_ps(a1, w1, _mm512_fmadd_ps(a0, w0, *s));
+            }
+        }
+        for (g, (s, ac)) in gs.iter().zip(bs.iter().zip(acc.iter_mut())) {
+            // SAFETY: `check` proved g.ws.len() ≥ kb · 16.
+            let sb = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(g.ws.as_ptr().add(b * GROUP).cast())) };
+            let sc = scale!(
+                _mm512_add_epi32,
+                _mm512_min_epi32,
+                _mm512_max_epi32,
+                _mm512_set1_epi32,
+                _mm512_setzero_si512,
+                _mm512_slli_epi32,
+                _mm512_castsi512_ps,
+                sb,
+                rows.sc[0][b]
+            );
+            *ac = _mm512_fmadd_ps(*s, sc, *ac);
+        }
+    }
+    for (o, ac) in out.iter_mut().zip(acc) {
+        // SAFETY: o holds 16 f32.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), ac) };
     }
 }

@@ -11,6 +11,14 @@
 use crate::simd::rope::{RopeRow, Round, pair};
 use std::arch::x86_64::*;
 
+/// `a ^ b` on the bits (`_mm512_xor_ps` needs AVX-512 DQ, which the `Avx512` level does not
+/// require: without the feature the intrinsic compiled to a call per use).
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn xor512(a: __m512, b: __m512) -> __m512 {
+    _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_castps_si512(b)))
+}
+
 // ---------------------------------------------------------------------------------------------
 // AVX-512 (16 lanes)
 
@@ -48,7 +56,7 @@ pub(crate) unsafe fn rotate_avx512(x: &mut [f32], row: &RopeRow<'_>, interleaved
                 let v = round512(_mm512_loadu_ps(xp.add(i)), r);
                 let (x0, x1) = (_mm512_moveldup_ps(v), _mm512_movehdup_ps(v));
                 let t = round512(_mm512_mul_ps(x1, _mm512_loadu_ps(row.fsw.as_ptr().add(i))), r);
-                let t = _mm512_xor_ps(t, sign); // −t in the even lanes (exact)
+                let t = xor512(t, sign); // −t in the even lanes (exact)
                 let y = round512(_mm512_fmadd_ps(x0, _mm512_loadu_ps(row.f.as_ptr().add(i)), t), r);
                 _mm512_storeu_ps(xp.add(i), y);
             }
@@ -69,7 +77,7 @@ pub(crate) unsafe fn rotate_avx512(x: &mut [f32], row: &RopeRow<'_>, interleaved
                 let x1 = round512(_mm512_loadu_ps(xp.add(h + i)), r);
                 let (c, s) = (_mm512_loadu_ps(row.c.as_ptr().add(i)), _mm512_loadu_ps(row.s.as_ptr().add(i)));
                 let t1 = round512(_mm512_mul_ps(x1, s), r);
-                let y0 = round512(_mm512_fmadd_ps(x0, c, _mm512_xor_ps(t1, _mm512_set1_ps(-0.0))), r);
+                let y0 = round512(_mm512_fmadd_ps(x0, c, xor512(t1, _mm512_set1_ps(-0.0))), r);
                 let t2 = round512(_mm512_mul_ps(x1, c), r);
                 let y1 = round512(_mm512_fmadd_ps(x0, s, t2), r);
                 _mm512_storeu_ps(xp.add(i), y0);
@@ -261,15 +269,18 @@ unsafe fn store512<const K: u8>(p: *mut u8, v: __m512) {
     }
 }
 
-/// Rotates the rotary region of `heads` heads of `d` elements of kind `K` at `x` in place.
-/// Returns the number of pairs per head left to the caller (a tail shorter than a vector).
+/// Rotates the rotary region of `heads` heads of `d` elements of kind `K` from `src` into `x`
+/// (`src == x`: in place; the other dims of `x` are not touched). Returns the number of pairs per
+/// head left to the caller (a tail shorter than a vector).
 ///
 /// # Safety
-/// AVX-512 F must be available; `x` holds `heads · d` elements of kind `K` (2 bytes for bf16 and
-/// f16, 4 for f32); `row` holds the forms of `rd` rotary dims (`rd` even, ≤ `d`).
+/// AVX-512 F must be available; `src` and `x` each hold `heads · d` elements of kind `K` (2 bytes
+/// for bf16 and f16, 4 for f32) and either are the same pointer or do not overlap; `row` holds the
+/// forms of `rd` rotary dims (`rd` even, ≤ `d`).
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn heads_avx512<const K: u8>(
+    src: *const u8,
     x: *mut u8,
     heads: usize,
     d: usize,
@@ -285,15 +296,16 @@ pub(crate) unsafe fn heads_avx512<const K: u8>(
     let done = if interleaved { rd / 16 * 16 } else { rd / 2 / 16 * 16 };
     for h in 0..heads {
         let base = x.wrapping_add((h * d + at) * size);
+        let from = src.wrapping_add((h * d + at) * size);
         if interleaved {
             for i in (0..done).step_by(16) {
                 // SAFETY: elements i .. i + 16 of the region; f and fsw are rd long.
                 unsafe {
                     let p = base.add(i * size);
-                    let v = round512(load512::<K>(p), r);
+                    let v = round512(load512::<K>(from.add(i * size)), r);
                     let (x0, x1) = (_mm512_moveldup_ps(v), _mm512_movehdup_ps(v));
                     let t = round512(_mm512_mul_ps(x1, _mm512_loadu_ps(row.fsw.as_ptr().add(i))), r);
-                    let t = _mm512_xor_ps(t, sign);
+                    let t = xor512(t, sign);
                     let y = round512(_mm512_fmadd_ps(x0, _mm512_loadu_ps(row.f.as_ptr().add(i)), t), r);
                     store512::<K>(p, y);
                 }
@@ -304,11 +316,11 @@ pub(crate) unsafe fn heads_avx512<const K: u8>(
                 // SAFETY: elements i .. i + 16 of both halves (hh long); c, s are hh long.
                 unsafe {
                     let (p0, p1) = (base.add(i * size), base.add((hh + i) * size));
-                    let x0 = round512(load512::<K>(p0), r);
-                    let x1 = round512(load512::<K>(p1), r);
+                    let x0 = round512(load512::<K>(from.add(i * size)), r);
+                    let x1 = round512(load512::<K>(from.add((hh + i) * size)), r);
                     let (c, s) = (_mm512_loadu_ps(row.c.as_ptr().add(i)), _mm512_loadu_ps(row.s.as_ptr().add(i)));
                     let t1 = round512(_mm512_mul_ps(x1, s), r);
-                    let y0 = round512(_mm512_fmadd_ps(x0, c, _mm512_xor_ps(t1, neg)), r);
+                    let y0 = round512(_mm512_fmadd_ps(x0, c, xor512(t1, neg)), r);
                     let t2 = round512(_mm512_mul_ps(x1, c), r);
                     let y1 = round512(_mm512_fmadd_ps(x0, s, t2), r);
                     store512::<K>(p0, y0);
