@@ -17,7 +17,9 @@
 //! Results are **bitwise identical** for every thread count, batch composition and M (no split-K;
 //! every element is computed by one task in a fixed order), and for every ISA, with one
 //! exception: [`Isa::Avx512Bf16`] on bf16 weights flushes subnormal operands, products and partial
-//! sums to zero (`vdpbf16ps`), so it can differ where one appears. The arithmetic orders are
+//! sums to zero (`vdpbf16ps`), so it can differ where one appears. A NaN result is NaN on every
+//! ISA, but its sign and payload are not promised (an FMA returns one of its NaN operands, and
+//! which one depends on the instruction form). The arithmetic orders are
 //! described in the module docs of `crate::simd`; the tests check every available ISA bit for
 //! bit against the scalar kernel.
 //!

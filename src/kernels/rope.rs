@@ -65,7 +65,7 @@ impl<F: Element> RopeSpec<'_, F> {
         bufs: &mut (Vec<f32>, Vec<f32>),
     ) {
         let rd = self.rope_dim;
-        bufs.0.resize(3 * rd, 0.0);
+        bufs.0.resize(RopeRow::len(rd), 0.0);
         bufs.1.resize(rd, 0.0);
         RopeRow::fill(&self.freqs[p * rd..(p + 1) * rd], &mut bufs.0);
         let row = RopeRow::view(&bufs.0, rd);

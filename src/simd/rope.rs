@@ -47,16 +47,28 @@ pub(crate) struct RopeRow<'a> {
     pub c: &'a [f32],
     /// `s0, s1, …`.
     pub s: &'a [f32],
+    /// `c` de-interleaved per 32 pairs: for each whole 32-pair chunk at `b`, `c[b], c[b+2], …,
+    /// c[b+30], c[b+1], c[b+3], …` (what the bf16 kernel's even / odd lanes read); the rest as `c`.
+    pub cd: &'a [f32],
+    /// `s`, de-interleaved as `cd`.
+    pub sd: &'a [f32],
 }
 
 impl RopeRow<'_> {
-    /// Fills the four forms of `row` (`rope_dim` values of the freqs table) into `buf`
-    /// (`3 · rope_dim` f32: `f`, `fsw`, then `c` and `s`).
+    /// f32 values the forms of a `rope_dim`-wide row take.
+    pub const fn len(rd: usize) -> usize {
+        4 * rd
+    }
+
+    /// Fills the forms of `row` (`rope_dim` values of the freqs table) into `buf`
+    /// ([`len`](Self::len) f32: `f`, `fsw`, `c`, `s`, `cd`, `sd`).
     pub fn fill<F: Element>(row: &[F], buf: &mut [f32]) {
         let rd = row.len();
         let (f, rest) = buf.split_at_mut(rd);
         let (fsw, rest) = rest.split_at_mut(rd);
-        let (c, s) = rest.split_at_mut(rd / 2);
+        let (c, rest) = rest.split_at_mut(rd / 2);
+        let (s, rest) = rest.split_at_mut(rd / 2);
+        let (cd, sd) = rest.split_at_mut(rd / 2);
         for i in 0..rd / 2 {
             let (ci, si) = (row[2 * i].to_f32(), row[2 * i + 1].to_f32());
             f[2 * i] = ci;
@@ -66,15 +78,24 @@ impl RopeRow<'_> {
             c[i] = ci;
             s[i] = si;
         }
+        let whole = rd / 2 / 32 * 32;
+        for i in 0..rd / 2 {
+            let j = if i < whole { i / 32 * 32 + (i % 32 % 2) * 16 + i % 32 / 2 } else { i };
+            cd[j] = c[i];
+            sd[j] = s[i];
+        }
     }
 
     /// The forms in `buf` as filled by [`fill`](Self::fill).
     pub fn view(buf: &[f32], rd: usize) -> RopeRow<'_> {
+        let h = rd / 2;
         RopeRow {
             f: &buf[..rd],
             fsw: &buf[rd..2 * rd],
-            c: &buf[2 * rd..2 * rd + rd / 2],
-            s: &buf[2 * rd + rd / 2..3 * rd],
+            c: &buf[2 * rd..2 * rd + h],
+            s: &buf[2 * rd + h..3 * rd],
+            cd: &buf[3 * rd..3 * rd + h],
+            sd: &buf[3 * rd + h..4 * rd],
         }
     }
 }
@@ -192,6 +213,7 @@ pub(crate) fn rotate_heads_from<T: Element>(
     let rd = row.f.len();
     assert!(rd.is_multiple_of(2) && rd <= d && x.len() >= heads * d && buf.len() >= rd);
     assert!(row.fsw.len() == rd && row.c.len() == rd / 2 && row.s.len() == rd / 2);
+    assert!(row.cd.len() == rd / 2 && row.sd.len() == rd / 2);
     assert!(src.is_none_or(|s| s.len() >= heads * d));
     let at = if interleaved { d - rd } else { 0 };
     #[cfg(target_arch = "x86_64")]

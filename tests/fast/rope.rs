@@ -120,6 +120,31 @@ fn rope_ragged_every_isa_bit_for_bit() {
     }
 }
 
+/// Whole-head and wide partial rotary (the vector paths: 32-element bf16 steps, 16-lane steps and
+/// scalar tails), every element type, both pairings and math modes, against the oracle.
+#[test]
+fn rope_wide_heads_every_isa_bit_for_bit() {
+    let mut rng = Rng::new(72);
+    for (dk, rd) in [(64, 64), (128, 128), (128, 96), (96, 96), (128, 80), (160, 160)] {
+        let c = Ragged {
+            lens: vec![3, 1],
+            cache_lengths: vec![5, 0],
+            hq: 2,
+            dq: dk,
+            hkv: 2,
+            dk,
+            rd,
+            page: 4,
+            mla: false,
+            ids: false,
+        };
+        check_ragged::<bf16, bf16, bf16>(&mut rng, &c);
+        check_ragged::<bf16, f32, bf16>(&mut rng, &c);
+        check_ragged::<f16, f16, f16>(&mut rng, &c);
+        check_ragged::<f32, f32, f32>(&mut rng, &c);
+    }
+}
+
 /// Padded RoPE: every ISA bit for bit, padded rows of `output` untouched, valid lengths 0/1/full.
 #[test]
 fn rope_bshd_every_isa_bit_for_bit() {

@@ -269,6 +269,44 @@ unsafe fn store512<const K: u8>(p: *mut u8, v: __m512) {
     }
 }
 
+/// One rotation step on 16 lanes of pairs: the oracle's operations, rounded after each as `r` says.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn rot512(x0: __m512, x1: __m512, c: __m512, s: __m512, r: Round) -> (__m512, __m512) {
+    let t1 = round512(_mm512_mul_ps(x1, s), r);
+    let y0 = round512(_mm512_fmadd_ps(x0, c, xor512(t1, _mm512_set1_ps(-0.0))), r);
+    let t2 = round512(_mm512_mul_ps(x1, c), r);
+    let y1 = round512(_mm512_fmadd_ps(x0, s, t2), r);
+    (y0, y1)
+}
+
+/// The even and odd bf16 elements of 32 at `p`, widened to f32 (exact) and rounded as `r` says.
+///
+/// # Safety
+/// AVX-512 F must be available; 64 readable bytes at `p`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn split_bf16(p: *const u8, r: Round) -> (__m512, __m512) {
+    // SAFETY: the caller guarantees 64 bytes at p.
+    let v = unsafe { _mm512_loadu_si512(p.cast()) };
+    let e = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v));
+    let o = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF_0000u32 as i32)));
+    (round512(e, r), round512(o, r))
+}
+
+/// Stores the even (`e`) and odd (`o`) lanes as 32 bf16 at `p`, each rounded once to nearest even:
+/// the two rounded halves joined by one OR, no narrowing instruction.
+///
+/// # Safety
+/// AVX-512 F must be available; 64 writable bytes at `p`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn join_bf16(p: *mut u8, e: __m512, o: __m512) {
+    let (e, o) = (_mm512_castps_si512(round512(e, Round::Bf16)), _mm512_castps_si512(round512(o, Round::Bf16)));
+    // SAFETY: the caller guarantees 64 bytes at p.
+    unsafe { _mm512_storeu_si512(p.cast(), _mm512_or_si512(o, _mm512_srli_epi32::<16>(e))) }
+}
+
 /// Rotates the rotary region of `heads` heads of `d` elements of kind `K` from `src` into `x`
 /// (`src == x`: in place; the other dims of `x` are not touched). Returns the number of pairs per
 /// head left to the caller (a tail shorter than a vector).
@@ -276,7 +314,7 @@ unsafe fn store512<const K: u8>(p: *mut u8, v: __m512) {
 /// # Safety
 /// AVX-512 F must be available; `src` and `x` each hold `heads · d` elements of kind `K` (2 bytes
 /// for bf16 and f16, 4 for f32) and either are the same pointer or do not overlap; `row` holds the
-/// forms of `rd` rotary dims (`rd` even, ≤ `d`).
+/// forms of `rd` rotary dims (`rd` even, ≤ `d`; `cd`, `sd` included).
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn heads_avx512<const K: u8>(
@@ -294,11 +332,47 @@ pub(crate) unsafe fn heads_avx512<const K: u8>(
     let sign = _mm512_castsi512_ps(_mm512_set1_epi64(0x8000_0000));
     let neg = _mm512_set1_ps(-0.0);
     let done = if interleaved { rd / 16 * 16 } else { rd / 2 / 16 * 16 };
+    // bf16: 32 elements per step split into even / odd lanes by a shift and a mask, and joined
+    // back by an OR: no widening or narrowing instruction (those were port-5 bound).
+    let start = match K {
+        BF16 if interleaved => rd / 32 * 32,
+        BF16 => rd / 2 / 32 * 32,
+        _ => 0,
+    };
+    for h in 0..heads {
+        let (base, from) = (x.wrapping_add((h * d + at) * size), src.wrapping_add((h * d + at) * size));
+        for i in (0..start).step_by(32) {
+            // SAFETY: interleaved: elements i .. i + 32 of the region, pairs i/2 .. i/2 + 16 of c
+            // and s (rd/2 long); else elements i .. i + 32 of both halves (hh = rd/2 long, i + 32
+            // ≤ hh) and of cd, sd (hh long).
+            unsafe {
+                if interleaved {
+                    let (x0, x1) = split_bf16(from.add(i * 2), r);
+                    let c = _mm512_loadu_ps(row.c.as_ptr().add(i / 2));
+                    let s = _mm512_loadu_ps(row.s.as_ptr().add(i / 2));
+                    let (y0, y1) = rot512(x0, x1, c, s, r);
+                    join_bf16(base.add(i * 2), y0, y1);
+                } else {
+                    let hh = rd / 2;
+                    let (x0e, x0o) = split_bf16(from.add(i * 2), r);
+                    let (x1e, x1o) = split_bf16(from.add((hh + i) * 2), r);
+                    let (ce, co) =
+                        (_mm512_loadu_ps(row.cd.as_ptr().add(i)), _mm512_loadu_ps(row.cd.as_ptr().add(i + 16)));
+                    let (se, so) =
+                        (_mm512_loadu_ps(row.sd.as_ptr().add(i)), _mm512_loadu_ps(row.sd.as_ptr().add(i + 16)));
+                    let (y0e, y1e) = rot512(x0e, x1e, ce, se, r);
+                    let (y0o, y1o) = rot512(x0o, x1o, co, so, r);
+                    join_bf16(base.add(i * 2), y0e, y0o);
+                    join_bf16(base.add((hh + i) * 2), y1e, y1o);
+                }
+            }
+        }
+    }
     for h in 0..heads {
         let base = x.wrapping_add((h * d + at) * size);
         let from = src.wrapping_add((h * d + at) * size);
         if interleaved {
-            for i in (0..done).step_by(16) {
+            for i in (start..done).step_by(16) {
                 // SAFETY: elements i .. i + 16 of the region; f and fsw are rd long.
                 unsafe {
                     let p = base.add(i * size);
@@ -312,7 +386,7 @@ pub(crate) unsafe fn heads_avx512<const K: u8>(
             }
         } else {
             let hh = rd / 2;
-            for i in (0..done).step_by(16) {
+            for i in (start..done).step_by(16) {
                 // SAFETY: elements i .. i + 16 of both halves (hh long); c, s are hh long.
                 unsafe {
                     let (p0, p1) = (base.add(i * size), base.add((hh + i) * size));
