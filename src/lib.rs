@@ -47,7 +47,7 @@
 //! # Ok(())
 //! # }
 //! ```
-#![deny(unsafe_code)] // allowed only in `simd` (kernels) and `kernels::{scatter, epilogue, schedule}` (parallel writes)
+#![deny(unsafe_code)] // allowed only in `simd` (kernels) and `kernels::{scatter, epilogue, schedule, rope}` (parallel writes)
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 

@@ -6,7 +6,10 @@
 use paged_qkv::fast::{self, PackedPlainWeights, PackedWeights, QkvFp4PackedArgs, QkvRaggedPackedArgs};
 use paged_qkv::formats::quantize::{amax, nvfp4_global_scale, quantize};
 use paged_qkv::ops::{Freqs, QkvRope};
-use paged_qkv::{BlockFormat, CacheShape, Exec, Isa, KvWrite, PageTable, PagedKvCache, Par, RopeMath, bf16};
+use paged_qkv::{
+    BlockFormat, CacheShape, Exec, Isa, KvSel, KvStoreRaggedArgs, KvWrite, PageTable, PagedKvCache, Par, RopeMath,
+    RopeRaggedArgs, bf16,
+};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
@@ -81,12 +84,13 @@ fn weights() -> Vec<f32> {
     (0..n * K).map(|i| ((i as f32) * 0.37).sin()).collect()
 }
 
-/// Runs `call(m, exec)` a few times to warm up, then returns the allocations of 5 more calls.
-fn steady(mut call: impl FnMut(usize, Exec) + Send) -> Vec<(usize, Par, Isa, usize)> {
+/// Runs `call(m, exec)` a few times to warm up, then returns the allocations of 5 more calls, for
+/// each row count of `ms`.
+fn steady(ms: &[usize], mut call: impl FnMut(usize, Exec) + Send) -> Vec<(usize, Par, Isa, usize)> {
     let mut found = Vec::new();
     for isa in Isa::available() {
         for par in [Par::Sequential, Par::Rayon] {
-            for m in [1usize, 9] {
+            for &m in ms {
                 let exec = Exec { par, isa: Some(isa) };
                 let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
                 pool.install(|| {
@@ -125,7 +129,7 @@ fn packed_fp4_calls_do_not_allocate_in_steady_state() {
     let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(8, 1, 16, HKV, HEAD).unwrap());
     let mut q = vec![bf16::ZERO; 9 * HQ * HEAD];
     for with_rope in [false, true] {
-        let found = steady(|m, exec| {
+        let found = steady(&[1, 9], |m, exec| {
             let a = &acts[usize::from(m > 1)];
             let offsets = [0u32, m as u32];
             let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0, 1], 2, &[3]).unwrap(), 0);
@@ -153,7 +157,7 @@ fn packed_bf16_calls_do_not_allocate_in_steady_state() {
     let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(8, 1, 16, HKV, HEAD).unwrap());
     let mut q = vec![bf16::ZERO; 9 * HQ * HEAD];
     for with_rope in [false, true] {
-        let found = steady(|m, exec| {
+        let found = steady(&[1, 9], |m, exec| {
             let offsets = [0u32, m as u32];
             let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0, 1], 2, &[3]).unwrap(), 0);
             let rope = with_rope.then(|| QkvRope {
@@ -176,4 +180,43 @@ fn packed_bf16_calls_do_not_allocate_in_steady_state() {
         });
         assert!(found.iter().all(|f| f.3 == 0), "rope {with_rope}: (M, par, ISA, allocations) {found:?}");
     }
+}
+
+/// The standalone RoPE (both pairings) and the KV store, up to a 200-row prefill (slot validation
+/// sorted with a stable sort, which allocates a buffer for that many rows).
+#[test]
+fn rope_and_kv_store_calls_do_not_allocate_in_steady_state() {
+    const M: usize = 200;
+    let freqs = paged_qkv::freqs_cis(256, HEAD, 10000.0);
+    let q: Vec<bf16> = (0..M * HQ * HEAD).map(|i| bf16::from_f32(((i as f32) * 0.21).sin())).collect();
+    let mut out = vec![bf16::ZERO; q.len()];
+    let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(16, 1, 16, HKV, HEAD).unwrap());
+    let lookup: Vec<u32> = (0..16).map(|i| (i * 7) % 16).collect();
+    for interleaved in [false, true] {
+        let found = steady(&[1, 9, M], |m, exec| {
+            let offsets = [0u32, m as u32];
+            let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&lookup, 16, &[3]).unwrap(), 0);
+            let args = RopeRaggedArgs {
+                q_proj: &q[..m * HQ * HEAD],
+                input_row_offsets: &offsets,
+                num_q_heads: HQ,
+                q_head_size: HEAD,
+                freqs_cis: &freqs,
+                rope_dim: HEAD,
+                position_ids: None,
+                interleaved,
+            };
+            fast::rope_ragged(&args, &mut out[..m * HQ * HEAD], &mut kv, RopeMath::F32, exec).unwrap();
+        });
+        assert!(found.iter().all(|f| f.3 == 0), "interleaved {interleaved}: (M, par, ISA, allocations) {found:?}");
+    }
+    let values: Vec<bf16> = (0..M * HKV * HEAD).map(|i| bf16::from_f32(((i as f32) * 0.3).cos())).collect();
+    let found = steady(&[1, 9, M], |m, exec| {
+        let offsets = [0u32, m as u32];
+        let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&lookup, 16, &[3]).unwrap(), 0);
+        let args =
+            KvStoreRaggedArgs { values: &values[..m * HKV * HEAD], input_row_offsets: &offsets, which: KvSel::V };
+        fast::kv_store_ragged(&args, &mut kv, exec).unwrap();
+    });
+    assert!(found.iter().all(|f| f.3 == 0), "kv store: (M, par, ISA, allocations) {found:?}");
 }

@@ -84,8 +84,9 @@ impl SlotPlan {
         // Two writes to one physical slot would race on a GPU and silently overwrite here.
         let mut keys: Pooled<(usize, RowSlot)> =
             plan.iter().filter_map(|s| s.map(|s| (s.block * shape.page_size() + s.offset, s))).collect();
-        // Stable: among equal slots the earlier row comes first.
-        keys.sort_by_key(|k| k.0);
+        // Among equal slots the earlier row comes first: rows are in (batch, position) order.
+        // (Unstable: a stable sort allocates its buffer for a prefill's rows.)
+        keys.sort_unstable_by_key(|k| (k.0, k.1.batch, k.1.pos));
         if let Some(w) = keys.windows(2).find(|w| w[0].0 == w[1].0) {
             let (a, c) = (w[0].1, w[1].1);
             return Err(Error::SlotConflict {

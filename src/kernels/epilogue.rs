@@ -108,9 +108,9 @@ impl EpiRope {
                     table.resize(o + RopeRow::len(rd), 0.0);
                     let dst = &mut table[o..];
                     match rope.freqs_cis {
-                        Freqs::F32(f) => RopeRow::fill(&f[p * rd..(p + 1) * rd], dst),
-                        Freqs::Bf16(f) => RopeRow::fill(&f[p * rd..(p + 1) * rd], dst),
-                        Freqs::F16(f) => RopeRow::fill(&f[p * rd..(p + 1) * rd], dst),
+                        Freqs::F32(f) => RopeRow::fill(&f[p * rd..(p + 1) * rd], dst, rope.interleaved),
+                        Freqs::Bf16(f) => RopeRow::fill(&f[p * rd..(p + 1) * rd], dst, rope.interleaved),
+                        Freqs::F16(f) => RopeRow::fill(&f[p * rd..(p + 1) * rd], dst, rope.interleaved),
                     }
                     o
                 })
@@ -123,7 +123,7 @@ impl EpiRope {
     fn rotate<D: Element>(&self, row: usize, head: &mut [D]) {
         let Some(o) = self.at[row] else { return };
         let rd = self.rope_dim;
-        let forms = RopeRow::view(&self.table[o..o + RopeRow::len(rd)], rd);
+        let forms = RopeRow::view(&self.table[o..o + RopeRow::len(rd)], rd, self.interleaved);
         let mut buf = [0f32; MAX_FUSED_HEAD];
         rotate_heads(self.token, head, (1, head.len()), &forms, self.interleaved, self.round, &mut buf);
     }

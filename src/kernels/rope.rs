@@ -1,37 +1,24 @@
 //! The standalone RoPE and KV-store fast paths: per row, the token's Q heads are rotated from
 //! `q_proj` into `output` and its K heads rotated in place in its cache slot (or its K/V values
-//! stored there), in parallel over rows. Each row's slot is carved out of the cache as its own
-//! `&mut` slice (the validated slot plan gives distinct slots), so this needs no `unsafe`.
+//! stored there), in parallel over rows. Each row reaches its own slot through
+//! [`SharedMut::slice_mut`] (the validated slot plan gives distinct rows distinct slots), so a
+//! call allocates nothing in steady state: the earlier safe version carved the cache into a vector
+//! of slices per call.
 //!
 //! The rotation itself is `crate::simd::rope`: the oracle's operations lane by lane.
+#![allow(unsafe_code)] // `SharedMut::slice_mut` per row, under the slot plan's disjointness
 
+use super::scatter::SharedMut;
 use crate::cache::{CacheShape, SlotPlan};
 use crate::element::Element;
 use crate::ops::RopeMath;
+use crate::pool::Pooled;
 use crate::simd::IsaToken;
 use crate::simd::rope::{RopeRow, Round, narrow, rotate_heads, rotate_heads_from, widen};
 use rayon::prelude::*;
 
-/// Splits `cache` into the disjoint slices `[bases[r], bases[r] + len)` (`None` where a row has no
-/// slot). The ranges must not overlap, which the slot plan guarantees (a bug panics, never aliases).
-pub(crate) fn carve<'a, C>(cache: &'a mut [C], bases: &[Option<usize>], len: usize) -> Vec<Option<&'a mut [C]>> {
-    let mut order: Vec<(usize, usize)> = bases.iter().enumerate().filter_map(|(r, b)| b.map(|b| (b, r))).collect();
-    order.sort_unstable();
-    let mut out: Vec<Option<&'a mut [C]>> = (0..bases.len()).map(|_| None).collect();
-    let mut rest = cache;
-    let mut consumed = 0;
-    for (base, r) in order {
-        let (_, tail) = std::mem::take(&mut rest).split_at_mut(base - consumed);
-        let (mine, tail) = tail.split_at_mut(len);
-        out[r] = Some(mine);
-        rest = tail;
-        consumed = base + len;
-    }
-    out
-}
-
 /// The first element of each row's slot in layer `layer`, plus `offset` (the V part, or 0).
-pub(crate) fn slot_bases(plan: &SlotPlan, shape: &CacheShape, layer: usize, offset: usize) -> Vec<Option<usize>> {
+pub(crate) fn slot_bases(plan: &SlotPlan, shape: &CacheShape, layer: usize, offset: usize) -> Pooled<Option<usize>> {
     plan.rows.iter().map(|s| s.map(|s| shape.slot_base(s.block, layer, s.offset) + offset)).collect()
 }
 
@@ -62,13 +49,13 @@ impl<F: Element> RopeSpec<'_, F> {
         q: &[T],
         out: &mut [T],
         k: &mut [C],
-        bufs: &mut (Vec<f32>, Vec<f32>),
+        bufs: &mut (Pooled<f32>, Pooled<f32>),
     ) {
         let rd = self.rope_dim;
         bufs.0.resize(RopeRow::len(rd), 0.0);
         bufs.1.resize(rd, 0.0);
-        RopeRow::fill(&self.freqs[p * rd..(p + 1) * rd], &mut bufs.0);
-        let row = RopeRow::view(&bufs.0, rd);
+        RopeRow::fill(&self.freqs[p * rd..(p + 1) * rd], &mut bufs.0, self.interleaved);
+        let row = RopeRow::view(&bufs.0, rd, self.interleaved);
         if size_of::<T>() == 2 {
             // bf16/f16: one pass from q into out (measured: 0.57 vs 0.82 ms for 512 Llama tokens).
             rotate_heads_from(token, Some(q), out, self.q_heads, &row, self.interleaved, self.round(), &mut bufs.1);
@@ -82,8 +69,32 @@ impl<F: Element> RopeSpec<'_, F> {
     }
 }
 
-/// Rows below which a call runs on the calling thread (a decode step's few tokens).
+/// Rows below which a call runs on the calling thread (a decode step's few tokens), and the
+/// fewest rows a parallel task takes.
 const PAR_ROWS: usize = 8;
+
+/// Runs `job(row, buffers, output row)` for every row (`output` in rows of `width`), on rayon
+/// when `parallel` and there are enough rows; each task's buffers come from its thread's pool.
+fn for_rows<T: Send>(
+    parallel: bool,
+    output: &mut [T],
+    width: usize,
+    job: impl Fn(usize, &mut (Pooled<f32>, Pooled<f32>), &mut [T]) + Sync,
+) {
+    let rows = output.len() / width;
+    if parallel && rows >= PAR_ROWS {
+        output
+            .par_chunks_mut(width)
+            .enumerate()
+            .with_min_len(PAR_ROWS / 2)
+            .for_each_init(|| (Pooled::new(), Pooled::new()), |bufs, (r, o)| job(r, bufs, o));
+    } else {
+        let mut bufs = (Pooled::new(), Pooled::new());
+        for (r, o) in output.chunks_mut(width).enumerate() {
+            job(r, &mut bufs, o);
+        }
+    }
+}
 
 /// Runs a validated RoPE call: for every row with a slot and a position, rotate its Q heads
 /// (`q_proj` row → `output` row) and its K heads in `cache`.
@@ -100,23 +111,17 @@ pub(crate) fn rope_rows<T: Element, F: Element, C: Element>(
 ) {
     let (hq, dq) = spec.q_heads;
     let (hk, dk) = spec.k_heads;
-    let qw = hq * dq;
-    let slots = carve(cache, bases, hk * dk);
-    let work =
-        output.chunks_mut(qw).zip(slots).zip(positions).enumerate().filter_map(|(r, ((o, k), p))| match (k, p) {
-            (Some(k), Some(p)) => Some((r, o, k, *p)),
-            _ => None,
-        });
-    let job = |bufs: &mut (Vec<f32>, Vec<f32>), (r, o, k, p): (usize, &mut [T], &mut [C], usize)| {
+    let (qw, kw) = (hq * dq, hk * dk);
+    assert!(qw > 0 && output.len() == bases.len() * qw && positions.len() == bases.len());
+    let cache = SharedMut::new(cache);
+    for_rows(parallel, output, qw, |r, bufs, o| {
+        let (Some(base), Some(p)) = (bases[r], positions[r]) else { return };
+        // SAFETY: the validated slot plan gives every row its own slot, so the ranges
+        // `base .. base + kw` of distinct rows are disjoint (a slot holds the row's kw K values),
+        // and each row is visited by one task; nothing else touches `cache` during the call.
+        let k = unsafe { cache.slice_mut(base, kw) };
         spec.row(token, p, &q_proj[r * qw..(r + 1) * qw], o, k, bufs)
-    };
-    if parallel && positions.len() >= PAR_ROWS {
-        let jobs: Vec<_> = work.collect();
-        jobs.into_par_iter().for_each_init(|| (Vec::new(), Vec::new()), job);
-    } else {
-        let mut bufs = (Vec::new(), Vec::new());
-        work.for_each(|j| job(&mut bufs, j));
-    }
+    });
 }
 
 /// Runs a validated KV store: every row with a slot writes its `width` values, rounded once to
@@ -129,19 +134,21 @@ pub(crate) fn store_rows<T: Element, C: Element>(
     bases: &[Option<usize>],
     width: usize,
 ) {
-    let slots = carve(cache, bases, width);
-    let job = |buf: &mut Vec<f32>, (r, dst): (usize, &mut [C])| {
-        // Through f32 also for equal types: the oracle's `C::from_f32(v.to_f32())`, NaNs included.
-        buf.resize(width, 0.0);
-        widen(token, &values[r * width..(r + 1) * width], buf);
-        narrow(token, buf, dst);
-    };
-    let work = slots.into_iter().enumerate().filter_map(|(r, s)| s.map(|s| (r, s)));
-    if parallel && bases.len() >= PAR_ROWS {
-        let jobs: Vec<_> = work.collect();
-        jobs.into_par_iter().for_each_init(Vec::new, job);
-    } else {
-        let mut buf = Vec::new();
-        work.for_each(|j| job(&mut buf, j));
+    if width == 0 {
+        return;
     }
+    assert_eq!(values.len(), bases.len() * width);
+    let cache = SharedMut::new(cache);
+    // The rows of `values` are read-only: `for_rows` walks a slice of units, one per row (a
+    // `Vec<()>` never allocates).
+    let mut rows = vec![(); bases.len()];
+    for_rows(parallel, &mut rows, 1, |r, bufs, _| {
+        let Some(base) = bases[r] else { return };
+        // SAFETY: as in `rope_rows`: distinct rows have distinct slots, `width` values each.
+        let dst = unsafe { cache.slice_mut(base, width) };
+        // Through f32 also for equal types: the oracle's `C::from_f32(v.to_f32())`, NaNs included.
+        bufs.0.resize(width, 0.0);
+        widen(token, &values[r * width..(r + 1) * width], &mut bufs.0);
+        narrow(token, &bufs.0, dst);
+    });
 }

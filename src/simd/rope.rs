@@ -37,65 +37,82 @@ impl Round {
     }
 }
 
-/// One position's rotation: the freqs row widened to f32, in the forms the kernels read.
+/// One position's rotation: the freqs row widened to f32, in the forms the kernels of one pairing
+/// read (the other pairing's forms are empty).
 pub(crate) struct RopeRow<'a> {
-    /// `c0, s0, c1, s1, …` (`rope_dim` values).
+    /// Interleaved only: `c0, s0, c1, s1, …` (`rope_dim` values).
     pub f: &'a [f32],
-    /// `s0, c0, s1, c1, …`.
+    /// Interleaved only: `s0, c0, s1, c1, …`.
     pub fsw: &'a [f32],
     /// `c0, c1, …` (`rope_dim / 2`).
     pub c: &'a [f32],
     /// `s0, s1, …`.
     pub s: &'a [f32],
-    /// `c` de-interleaved per 32 pairs: for each whole 32-pair chunk at `b`, `c[b], c[b+2], …,
-    /// c[b+30], c[b+1], c[b+3], …` (what the bf16 kernel's even / odd lanes read); the rest as `c`.
+    /// Half-split only: `c` de-interleaved per 32 pairs: for each whole 32-pair chunk at `b`,
+    /// `c[b], c[b+2], …, c[b+30], c[b+1], c[b+3], …` (what the bf16 kernel's even / odd lanes
+    /// read); the rest as `c`.
     pub cd: &'a [f32],
-    /// `s`, de-interleaved as `cd`.
+    /// Half-split only: `s`, de-interleaved as `cd`.
     pub sd: &'a [f32],
 }
 
 impl RopeRow<'_> {
-    /// f32 values the forms of a `rope_dim`-wide row take.
+    /// f32 values the forms of a `rope_dim`-wide row take (either pairing).
     pub const fn len(rd: usize) -> usize {
-        4 * rd
+        3 * rd
     }
 
-    /// Fills the forms of `row` (`rope_dim` values of the freqs table) into `buf`
-    /// ([`len`](Self::len) f32: `f`, `fsw`, `c`, `s`, `cd`, `sd`).
-    pub fn fill<F: Element>(row: &[F], buf: &mut [f32]) {
-        let rd = row.len();
-        let (f, rest) = buf.split_at_mut(rd);
-        let (fsw, rest) = rest.split_at_mut(rd);
-        let (c, rest) = rest.split_at_mut(rd / 2);
-        let (s, rest) = rest.split_at_mut(rd / 2);
-        let (cd, sd) = rest.split_at_mut(rd / 2);
-        for i in 0..rd / 2 {
-            let (ci, si) = (row[2 * i].to_f32(), row[2 * i + 1].to_f32());
-            f[2 * i] = ci;
-            f[2 * i + 1] = si;
-            fsw[2 * i] = si;
-            fsw[2 * i + 1] = ci;
-            c[i] = ci;
-            s[i] = si;
+    /// Fills the forms of `row` (`rope_dim` values of the freqs table) that the kernels of the
+    /// pairing read into `buf` ([`len`](Self::len) f32: `c`, `s`, then `f`, `fsw` when
+    /// `interleaved`, else `cd`, `sd`). Measured: filling all six forms per token was a quarter of
+    /// a Qwen-shaped bf16 RoPE call; these loops have no index arithmetic and vectorise.
+    pub fn fill<F: Element>(row: &[F], buf: &mut [f32], interleaved: bool) {
+        let (rd, h) = (row.len(), row.len() / 2);
+        let (c, rest) = buf.split_at_mut(h);
+        let (s, rest) = rest.split_at_mut(h);
+        // A NaN becomes the default quiet NaN, whose low 16 bits are 0 like every other NaN the
+        // kernels meet (bf16 inputs widen with zero low bits; x86 arithmetic returns an operand's
+        // NaN or the default one): the AVX-512 bf16 store relies on it. Results stay NaN where
+        // the oracle's are; NaN sign and payload are outside the bit-exact promise.
+        let canon = |v: f32| if v.is_nan() { f32::NAN } else { v };
+        for ((p, c), s) in row.chunks_exact(2).zip(c.iter_mut()).zip(s.iter_mut()) {
+            *c = canon(p[0].to_f32());
+            *s = canon(p[1].to_f32());
         }
-        let whole = rd / 2 / 32 * 32;
-        for i in 0..rd / 2 {
-            let j = if i < whole { i / 32 * 32 + (i % 32 % 2) * 16 + i % 32 / 2 } else { i };
-            cd[j] = c[i];
-            sd[j] = s[i];
+        let (c, s) = (&*c, &*s);
+        if interleaved {
+            let (f, fsw) = rest[..2 * rd].split_at_mut(rd);
+            for (((f, w), &ci), &si) in f.chunks_exact_mut(2).zip(fsw.chunks_exact_mut(2)).zip(c).zip(s) {
+                f[0] = ci;
+                f[1] = si;
+                w[0] = si;
+                w[1] = ci;
+            }
+        } else {
+            let (cd, sd) = rest[..rd].split_at_mut(h);
+            let whole = h / 32 * 32;
+            for (src, dst) in [(c, &mut *cd), (s, &mut *sd)] {
+                for (from, to) in src[..whole].chunks_exact(32).zip(dst[..whole].chunks_exact_mut(32)) {
+                    let (even, odd) = to.split_at_mut(16);
+                    for ((e, o), pair) in even.iter_mut().zip(odd.iter_mut()).zip(from.chunks_exact(2)) {
+                        *e = pair[0];
+                        *o = pair[1];
+                    }
+                }
+                dst[whole..].copy_from_slice(&src[whole..]);
+            }
         }
     }
 
-    /// The forms in `buf` as filled by [`fill`](Self::fill).
-    pub fn view(buf: &[f32], rd: usize) -> RopeRow<'_> {
+    /// The forms in `buf` as filled by [`fill`](Self::fill) for the same pairing.
+    pub fn view(buf: &[f32], rd: usize, interleaved: bool) -> RopeRow<'_> {
         let h = rd / 2;
-        RopeRow {
-            f: &buf[..rd],
-            fsw: &buf[rd..2 * rd],
-            c: &buf[2 * rd..2 * rd + h],
-            s: &buf[2 * rd + h..3 * rd],
-            cd: &buf[3 * rd..3 * rd + h],
-            sd: &buf[3 * rd + h..4 * rd],
+        let (c, s) = (&buf[..h], &buf[h..rd]);
+        let empty: &[f32] = &[];
+        if interleaved {
+            RopeRow { f: &buf[rd..2 * rd], fsw: &buf[2 * rd..3 * rd], c, s, cd: empty, sd: empty }
+        } else {
+            RopeRow { f: empty, fsw: empty, c, s, cd: &buf[rd..rd + h], sd: &buf[rd + h..2 * rd] }
         }
     }
 }
@@ -128,8 +145,8 @@ pub(crate) fn rotate_scalar(x: &mut [f32], row: &RopeRow<'_>, interleaved: bool,
 /// `(2i, 2i+1)` when `interleaved`, else `(i, i + rope_dim/2)`, pair `i` with `(row.c[i], row.s[i])`.
 pub(crate) fn rotate(token: IsaToken, x: &mut [f32], row: &RopeRow<'_>, interleaved: bool, r: Round) {
     let rd = x.len();
-    assert!(rd.is_multiple_of(2) && row.f.len() == rd && row.fsw.len() == rd);
-    assert!(row.c.len() == rd / 2 && row.s.len() == rd / 2);
+    assert!(rd.is_multiple_of(2) && row.c.len() == rd / 2 && row.s.len() == rd / 2);
+    assert!(!interleaved || (row.f.len() == rd && row.fsw.len() == rd));
     match token.0 {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the token proves AVX-512 F (with BW: Avx512 and up) was detected; the asserts
@@ -210,10 +227,13 @@ pub(crate) fn rotate_heads_from<T: Element>(
     r: Round,
     buf: &mut [f32],
 ) {
-    let rd = row.f.len();
-    assert!(rd.is_multiple_of(2) && rd <= d && x.len() >= heads * d && buf.len() >= rd);
-    assert!(row.fsw.len() == rd && row.c.len() == rd / 2 && row.s.len() == rd / 2);
-    assert!(row.cd.len() == rd / 2 && row.sd.len() == rd / 2);
+    let rd = 2 * row.c.len();
+    assert!(rd <= d && x.len() >= heads * d && buf.len() >= rd && row.s.len() == rd / 2);
+    if interleaved {
+        assert!(row.f.len() == rd && row.fsw.len() == rd);
+    } else {
+        assert!(row.cd.len() == rd / 2 && row.sd.len() == rd / 2);
+    }
     assert!(src.is_none_or(|s| s.len() >= heads * d));
     let at = if interleaved { d - rd } else { 0 };
     #[cfg(target_arch = "x86_64")]
@@ -231,7 +251,7 @@ pub(crate) fn rotate_heads_from<T: Element>(
         }
         let p = x.as_mut_ptr().cast::<u8>();
         let from = src.map_or(p.cast_const(), |s| s.as_ptr().cast::<u8>());
-        // SAFETY: the token proves AVX-512 F; x (and src, a distinct borrow when given, so not
+        // SAFETY: the token proves AVX-512 F and BW; x (and src, a distinct borrow when given, so not
         // overlapping) holds heads · d elements of T, whose kind (and so size) the match selects;
         // the asserts above prove the lengths of `row`.
         let done = unsafe {
@@ -242,7 +262,7 @@ pub(crate) fn rotate_heads_from<T: Element>(
             }
         };
         // The tail pairs (fewer than a vector), one at a time.
-        for h in 0..heads {
+        for h in (0..heads).filter(|_| done < rd / 2) {
             let (o, head) = (h * d + at, &mut x[h * d + at..h * d + at + rd]);
             for i in done..rd / 2 {
                 let (j0, j1) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + rd / 2) };

@@ -145,6 +145,53 @@ fn rope_wide_heads_every_isa_bit_for_bit() {
     }
 }
 
+/// f32 freqs holding NaNs whose payload fills the low 16 bits (and an infinity): rounding such a
+/// NaN to bf16 like a number would carry into the sign (`0x7FFF_FFFF` → −0) or the exponent. Every
+/// ISA must give NaN where the oracle does (sign and payload are not promised) and equal bits
+/// elsewhere, on the vector paths (whole 128-dim heads) of both pairings.
+#[test]
+fn rope_nan_payload_freqs_stay_nan() {
+    let canon =
+        |x: &[bf16]| -> Vec<u32> { x.iter().map(|v| if v.is_nan() { u32::MAX } else { v.to_bits() as u32 }).collect() };
+    let (hq, hkv, d, tokens) = (2, 2, 128, 3);
+    let mut f = paged_qkv::freqs_cis(tokens, d, 10000.0);
+    for (i, bits) in [0x7FFF_FFFFu32, 0xFFFF_FFFF, 0x7F80_0001, 0x7FC0_FFFF, 0x7F80_0000].into_iter().enumerate() {
+        f[d + 2 * (7 * i) + (i % 2)] = f32::from_bits(bits); // token 1: some c, some s
+        f[2 * d + 2 * (40 + 3 * i) + 1 - (i % 2)] = f32::from_bits(bits); // token 2
+    }
+    let mut rng = Rng::new(74);
+    let q: Vec<bf16> = (0..tokens * hq * d).map(|_| bf16::from_f32(rng.normal())).collect();
+    let shape = CacheShape::mha(4, 1, 4, hkv, d).unwrap();
+    let offs = [0, tokens as u32];
+    for interleaved in [false, true] {
+        let args = RopeRaggedArgs {
+            q_proj: &q,
+            input_row_offsets: &offs,
+            num_q_heads: hq,
+            q_head_size: d,
+            freqs_cis: &f,
+            rope_dim: d,
+            position_ids: None,
+            interleaved,
+        };
+        let run = |e: Option<Exec>| {
+            let mut cache: PagedKvCache<bf16> = random_cache(&mut Rng::new(5), shape);
+            let mut out = vec![bf16::from_f32(-3.0); q.len()];
+            let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[2, 3], 2, &[0]).unwrap(), 0);
+            match e {
+                Some(e) => fast::rope_ragged(&args, &mut out, &mut kv, RopeMath::F32, e).unwrap(),
+                None => reference::rope_ragged(&args, &mut out, &mut kv, RopeMath::F32).unwrap(),
+            }
+            (canon(&out), canon(cache.data()))
+        };
+        let want = run(None);
+        assert!(want.0.iter().filter(|&&b| b == u32::MAX).count() >= 10 * hq, "the NaNs reach the output");
+        for e in execs() {
+            assert_eq!(run(Some(e)), want, "{e:?} interleaved {interleaved}");
+        }
+    }
+}
+
 /// Padded RoPE: every ISA bit for bit, padded rows of `output` untouched, valid lengths 0/1/full.
 #[test]
 fn rope_bshd_every_isa_bit_for_bit() {

@@ -28,12 +28,18 @@ fn round512(v: __m512, r: Round) -> __m512 {
     match r {
         Round::None => v,
         Round::Bf16 => {
+            // x + 0x7FFF + lsb, the lsb tested into a mask (no shift: 512-bit shifts issue on
+            // one port only, and this is the kernels' busiest step); NaN made quiet instead.
             let x = _mm512_castps_si512(v);
-            let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(1));
-            let rne = _mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7FFF)), lsb);
-            let quiet = _mm512_or_si512(x, _mm512_set1_epi32(0x0040_0000));
+            let odd = _mm512_test_epi32_mask(x, _mm512_set1_epi32(0x1_0000));
+            let rne = _mm512_mask_add_epi32(
+                _mm512_add_epi32(x, _mm512_set1_epi32(0x7FFF)),
+                odd,
+                x,
+                _mm512_set1_epi32(0x8000),
+            );
             let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
-            let y = _mm512_mask_blend_epi32(nan, rne, quiet);
+            let y = _mm512_mask_or_epi32(rne, nan, x, _mm512_set1_epi32(0x0040_0000));
             _mm512_castsi512_ps(_mm512_and_si512(y, _mm512_set1_epi32(0xFFFF_0000u32 as i32)))
         }
         Round::F16 => _mm512_cvtph_ps(_mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v)),
@@ -41,8 +47,8 @@ fn round512(v: __m512, r: Round) -> __m512 {
 }
 
 /// # Safety
-/// AVX-512 F must be available; `row` holds the forms of `x.len()` rotary dims (`f`, `fsw`:
-/// `x.len()`; `c`, `s`: `x.len() / 2`).
+/// AVX-512 F must be available; `row` holds the forms of `x.len()` rotary dims (`c`, `s`:
+/// `x.len() / 2`; `f`, `fsw`: `x.len()` when `interleaved`).
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn rotate_avx512(x: &mut [f32], row: &RopeRow<'_>, interleaved: bool, r: Round) {
     let rd = x.len();
@@ -294,17 +300,32 @@ unsafe fn split_bf16(p: *const u8, r: Round) -> (__m512, __m512) {
     (round512(e, r), round512(o, r))
 }
 
-/// Stores the even (`e`) and odd (`o`) lanes as 32 bf16 at `p`, each rounded once to nearest even:
-/// the two rounded halves joined by one OR, no narrowing instruction.
+/// Stores the even (`e`) and odd (`o`) lanes as 32 bf16 at `p`, each rounded once to nearest even,
+/// working on 16-bit lanes (fewer operations than rounding each half and joining, on the ports
+/// this loop is bound by): `hi` holds every value's truncated bf16 in its final place and `lo` the
+/// bits rounding drops. A value rounds up when `lo > 0x8000`, or `lo == 0x8000` with `hi` odd,
+/// that is when `lo | (hi & 1) > 0x8000` (unsigned). Rounding up the largest finite value gives
+/// infinity, as `half` does. A NaN is never rounded up, because every NaN reaching here has
+/// `lo == 0`: the kernels' inputs are bf16 values (zero low bits), [`RopeRow::fill`] makes NaN
+/// freqs the default NaN, and x86 arithmetic returns one of its operands' NaNs (quieted) or the
+/// default NaN. So the bits equal `half`'s conversion (which would also quiet a signalling NaN:
+/// none arrives here).
 ///
 /// # Safety
-/// AVX-512 F must be available; 64 writable bytes at `p`.
-#[target_feature(enable = "avx512f")]
+/// AVX-512 F and BW must be available; 64 writable bytes at `p`; NaNs in `e`, `o` as above.
+#[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
 unsafe fn join_bf16(p: *mut u8, e: __m512, o: __m512) {
-    let (e, o) = (_mm512_castps_si512(round512(e, Round::Bf16)), _mm512_castps_si512(round512(o, Round::Bf16)));
+    let (e, o) = (_mm512_castps_si512(e), _mm512_castps_si512(o));
+    let high = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+    let one = _mm512_set1_epi16(1);
+    // `select(a, b, m)`: bits of `a` where `m` is set, of `b` elsewhere.
+    let hi = _mm512_ternarylogic_epi32::<0xE4>(o, _mm512_srli_epi32::<16>(e), high);
+    let lo = _mm512_ternarylogic_epi32::<0xE4>(_mm512_slli_epi32::<16>(o), e, high);
+    let t = _mm512_ternarylogic_epi32::<0xF8>(lo, hi, one); // lo | (hi & 1)
+    let up = _mm512_cmpgt_epu16_mask(t, _mm512_set1_epi16(0x8000u16 as i16));
     // SAFETY: the caller guarantees 64 bytes at p.
-    unsafe { _mm512_storeu_si512(p.cast(), _mm512_or_si512(o, _mm512_srli_epi32::<16>(e))) }
+    unsafe { _mm512_storeu_si512(p.cast(), _mm512_mask_add_epi16(hi, up, hi, one)) }
 }
 
 /// Rotates the rotary region of `heads` heads of `d` elements of kind `K` from `src` into `x`
@@ -312,10 +333,10 @@ unsafe fn join_bf16(p: *mut u8, e: __m512, o: __m512) {
 /// head left to the caller (a tail shorter than a vector).
 ///
 /// # Safety
-/// AVX-512 F must be available; `src` and `x` each hold `heads · d` elements of kind `K` (2 bytes
+/// AVX-512 F and BW must be available; `src` and `x` each hold `heads · d` elements of kind `K` (2 bytes
 /// for bf16 and f16, 4 for f32) and either are the same pointer or do not overlap; `row` holds the
-/// forms of `rd` rotary dims (`rd` even, ≤ `d`; `cd`, `sd` included).
-#[target_feature(enable = "avx512f")]
+/// forms of `rd` rotary dims for the pairing (`rd` even, ≤ `d`).
+#[target_feature(enable = "avx512f,avx512bw")]
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn heads_avx512<const K: u8>(
     src: *const u8,
