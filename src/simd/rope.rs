@@ -91,16 +91,22 @@ impl RopeRow<'_> {
         } else {
             let (cd, sd) = rest[..rd].split_at_mut(h);
             let whole = h / 32 * 32;
-            for (src, dst) in [(c, &mut *cd), (s, &mut *sd)] {
-                for (from, to) in src[..whole].chunks_exact(32).zip(dst[..whole].chunks_exact_mut(32)) {
-                    let (even, odd) = to.split_at_mut(16);
-                    for ((e, o), pair) in even.iter_mut().zip(odd.iter_mut()).zip(from.chunks_exact(2)) {
-                        *e = pair[0];
-                        *o = pair[1];
-                    }
+            // Per 32 pairs (64 freqs `c, s, c, s, …`): the even pairs' c and s, then the odd ones'.
+            let chunks = c[..whole].chunks_exact(32).zip(s[..whole].chunks_exact(32));
+            for ((cc, sc), (cdc, sdc)) in
+                chunks.zip(cd[..whole].chunks_exact_mut(32).zip(sd[..whole].chunks_exact_mut(32)))
+            {
+                let (ce, co) = cdc.split_at_mut(16);
+                let (se, so) = sdc.split_at_mut(16);
+                for j in 0..16 {
+                    ce[j] = cc[2 * j];
+                    co[j] = cc[2 * j + 1];
+                    se[j] = sc[2 * j];
+                    so[j] = sc[2 * j + 1];
                 }
-                dst[whole..].copy_from_slice(&src[whole..]);
             }
+            cd[whole..].copy_from_slice(&c[whole..]);
+            sd[whole..].copy_from_slice(&s[whole..]);
         }
     }
 
@@ -237,8 +243,8 @@ pub(crate) fn rotate_heads_from<T: Element>(
     assert!(src.is_none_or(|s| s.len() >= heads * d));
     let at = if interleaved { d - rd } else { 0 };
     #[cfg(target_arch = "x86_64")]
-    if matches!(token.0, Isa::Avx512 | Isa::Avx512Bf16) && T::DTYPE != DType::F8E4M3 {
-        use super::x86::rope::{BF16, F16, F32, heads_avx512};
+    if matches!(token.0, Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx2) && T::DTYPE != DType::F8E4M3 {
+        use super::x86::rope::{BF16, F16, F32, heads_avx2, heads_avx512};
         if let Some(s) = src
             && rd < d
         {
@@ -251,14 +257,18 @@ pub(crate) fn rotate_heads_from<T: Element>(
         }
         let p = x.as_mut_ptr().cast::<u8>();
         let from = src.map_or(p.cast_const(), |s| s.as_ptr().cast::<u8>());
-        // SAFETY: the token proves AVX-512 F and BW; x (and src, a distinct borrow when given, so not
-        // overlapping) holds heads · d elements of T, whose kind (and so size) the match selects;
-        // the asserts above prove the lengths of `row`.
+        // SAFETY: the token proves AVX-512 F and BW (AVX2, FMA and F16C for `Avx2`); x (and
+        // src, a distinct borrow when given, so not overlapping) holds heads · d elements of T,
+        // whose kind (and so size) the match selects; the asserts above prove the lengths of
+        // `row`.
         let done = unsafe {
-            match T::DTYPE {
-                DType::BF16 => heads_avx512::<BF16>(from, p, heads, d, rd, row, interleaved, r),
-                DType::F16 => heads_avx512::<F16>(from, p, heads, d, rd, row, interleaved, r),
-                _ => heads_avx512::<F32>(from, p, heads, d, rd, row, interleaved, r),
+            match (token.0 == Isa::Avx2, T::DTYPE) {
+                (false, DType::BF16) => heads_avx512::<BF16>(from, p, heads, d, rd, row, interleaved, r),
+                (false, DType::F16) => heads_avx512::<F16>(from, p, heads, d, rd, row, interleaved, r),
+                (false, _) => heads_avx512::<F32>(from, p, heads, d, rd, row, interleaved, r),
+                (true, DType::BF16) => heads_avx2::<BF16>(from, p, heads, d, rd, row, interleaved, r),
+                (true, DType::F16) => heads_avx2::<F16>(from, p, heads, d, rd, row, interleaved, r),
+                (true, _) => heads_avx2::<F32>(from, p, heads, d, rd, row, interleaved, r),
             }
         };
         // The tail pairs (fewer than a vector), one at a time.

@@ -426,3 +426,165 @@ pub(crate) unsafe fn heads_avx512<const K: u8>(
     }
     if interleaved { done / 2 } else { done }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Whole heads on AVX2 (8 lanes): the same structure and operations as `heads_avx512`.
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn load256<const K: u8>(p: *const u8) -> __m256 {
+    // SAFETY: the caller guarantees 8 elements at p.
+    unsafe {
+        match K {
+            BF16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())))),
+            F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
+            _ => _mm256_loadu_ps(p.cast()),
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn store256<const K: u8>(p: *mut u8, v: __m256) {
+    // SAFETY: the caller guarantees room for 8 elements at p.
+    unsafe {
+        match K {
+            BF16 => {
+                let b = _mm256_srli_epi32::<16>(_mm256_castps_si256(round256(v, Round::Bf16)));
+                let h = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256::<1>(b));
+                _mm_storeu_si128(p.cast(), h);
+            }
+            F16 => _mm_storeu_si128(p.cast(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)),
+            _ => _mm256_storeu_ps(p.cast(), v),
+        }
+    }
+}
+
+/// [`rot512`] on 8 lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn rot256(x0: __m256, x1: __m256, c: __m256, s: __m256, r: Round) -> (__m256, __m256) {
+    let t1 = round256(_mm256_mul_ps(x1, s), r);
+    let y0 = round256(_mm256_fmadd_ps(x0, c, _mm256_xor_ps(t1, _mm256_set1_ps(-0.0))), r);
+    let t2 = round256(_mm256_mul_ps(x1, c), r);
+    let y1 = round256(_mm256_fmadd_ps(x0, s, t2), r);
+    (y0, y1)
+}
+
+/// [`split_bf16`] for 16 bf16 at `p`.
+///
+/// # Safety
+/// AVX2 must be available; 32 readable bytes at `p`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn split_bf16_256(p: *const u8, r: Round) -> (__m256, __m256) {
+    // SAFETY: the caller guarantees 32 bytes at p.
+    let v = unsafe { _mm256_loadu_si256(p.cast()) };
+    let e = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v));
+    let o = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF_0000u32 as i32)));
+    (round256(e, r), round256(o, r))
+}
+
+/// [`join_bf16`] for 16 bf16 at `p`, without mask registers: the words are put in place by
+/// `vpblendw`, the unsigned `t > 0x8000` is the signed `t ^ 0x8000 > 0`, and the round-up adds
+/// the compare's all-ones (−1) by a subtraction. The same preconditions on NaNs.
+///
+/// # Safety
+/// AVX2 must be available; 32 writable bytes at `p`; NaNs in `e`, `o` as for [`join_bf16`].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn join_bf16_256(p: *mut u8, e: __m256, o: __m256) {
+    let (e, o) = (_mm256_castps_si256(e), _mm256_castps_si256(o));
+    let hi = _mm256_blend_epi16::<0xAA>(_mm256_srli_epi32::<16>(e), o);
+    let lo = _mm256_blend_epi16::<0xAA>(e, _mm256_slli_epi32::<16>(o));
+    let t = _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi16(1)));
+    let sign = _mm256_set1_epi16(0x8000u16 as i16);
+    let up = _mm256_cmpgt_epi16(_mm256_xor_si256(t, sign), _mm256_setzero_si256());
+    // SAFETY: the caller guarantees 32 bytes at p.
+    unsafe { _mm256_storeu_si256(p.cast(), _mm256_sub_epi16(hi, up)) }
+}
+
+/// [`heads_avx512`] on AVX2: the same contract, arithmetic and return value.
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; otherwise as [`heads_avx512`].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn heads_avx2<const K: u8>(
+    src: *const u8,
+    x: *mut u8,
+    heads: usize,
+    d: usize,
+    rd: usize,
+    row: &RopeRow<'_>,
+    interleaved: bool,
+    r: Round,
+) -> usize {
+    let size = if K == F32 { 4 } else { 2 };
+    let at = if interleaved { d - rd } else { 0 };
+    let hh = rd / 2;
+    let sign = _mm256_castsi256_ps(_mm256_set1_epi64x(0x8000_0000));
+    let done = if interleaved { rd / 8 * 8 } else { hh / 8 * 8 };
+    // bf16: 16 elements per step split into even / odd lanes. Half-split steps read `cd`, `sd`,
+    // whose de-interleaving is per 32 pairs: a step at i (16 pairs) reads its even pairs at
+    // `b + i % 32 / 2` and its odd ones 16 further, b = i rounded down to 32.
+    let start = match K {
+        BF16 if interleaved => rd / 16 * 16,
+        BF16 => hh / 32 * 32,
+        _ => 0,
+    };
+    for h in 0..heads {
+        let (base, from) = (x.wrapping_add((h * d + at) * size), src.wrapping_add((h * d + at) * size));
+        if interleaved {
+            for i in (0..start).step_by(16) {
+                // SAFETY: elements i .. i + 16 of the region (rd long); pairs i/2 .. i/2 + 8 of c, s.
+                unsafe {
+                    let (x0, x1) = split_bf16_256(from.add(i * 2), r);
+                    let c = _mm256_loadu_ps(row.c.as_ptr().add(i / 2));
+                    let s = _mm256_loadu_ps(row.s.as_ptr().add(i / 2));
+                    let (y0, y1) = rot256(x0, x1, c, s, r);
+                    join_bf16_256(base.add(i * 2), y0, y1);
+                }
+            }
+            for i in (start..done).step_by(8) {
+                // SAFETY: elements i .. i + 8 of the region; f and fsw are rd long.
+                unsafe {
+                    let v = round256(load256::<K>(from.add(i * size)), r);
+                    let (x0, x1) = (_mm256_moveldup_ps(v), _mm256_movehdup_ps(v));
+                    let t = round256(_mm256_mul_ps(x1, _mm256_loadu_ps(row.fsw.as_ptr().add(i))), r);
+                    let t = _mm256_xor_ps(t, sign);
+                    let y = round256(_mm256_fmadd_ps(x0, _mm256_loadu_ps(row.f.as_ptr().add(i)), t), r);
+                    store256::<K>(base.add(i * size), y);
+                }
+            }
+        } else {
+            for i in (0..start).step_by(16) {
+                let (ev, od) = (i / 32 * 32 + i % 32 / 2, i / 32 * 32 + 16 + i % 32 / 2);
+                // SAFETY: elements i .. i + 16 of both halves (hh long, i + 16 ≤ start ≤ hh); ev
+                // + 8 and od + 8 ≤ start ≤ hh = the length of cd and sd.
+                unsafe {
+                    let (x0e, x0o) = split_bf16_256(from.add(i * 2), r);
+                    let (x1e, x1o) = split_bf16_256(from.add((hh + i) * 2), r);
+                    let (ce, co) = (_mm256_loadu_ps(row.cd.as_ptr().add(ev)), _mm256_loadu_ps(row.cd.as_ptr().add(od)));
+                    let (se, so) = (_mm256_loadu_ps(row.sd.as_ptr().add(ev)), _mm256_loadu_ps(row.sd.as_ptr().add(od)));
+                    let (y0e, y1e) = rot256(x0e, x1e, ce, se, r);
+                    let (y0o, y1o) = rot256(x0o, x1o, co, so, r);
+                    join_bf16_256(base.add(i * 2), y0e, y0o);
+                    join_bf16_256(base.add((hh + i) * 2), y1e, y1o);
+                }
+            }
+            for i in (start..done).step_by(8) {
+                // SAFETY: elements i .. i + 8 of both halves (hh long); c, s are hh long.
+                unsafe {
+                    let x0 = round256(load256::<K>(from.add(i * size)), r);
+                    let x1 = round256(load256::<K>(from.add((hh + i) * size)), r);
+                    let (c, s) = (_mm256_loadu_ps(row.c.as_ptr().add(i)), _mm256_loadu_ps(row.s.as_ptr().add(i)));
+                    let (y0, y1) = rot256(x0, x1, c, s, r);
+                    store256::<K>(base.add(i * size), y0);
+                    store256::<K>(base.add((hh + i) * size), y1);
+                }
+            }
+        }
+    }
+    if interleaved { done / 2 } else { done }
+}
