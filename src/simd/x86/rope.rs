@@ -82,10 +82,7 @@ pub(crate) unsafe fn rotate_avx512(x: &mut [f32], row: &RopeRow<'_>, interleaved
                 let x0 = round512(_mm512_loadu_ps(xp.add(i)), r);
                 let x1 = round512(_mm512_loadu_ps(xp.add(h + i)), r);
                 let (c, s) = (_mm512_loadu_ps(row.c.as_ptr().add(i)), _mm512_loadu_ps(row.s.as_ptr().add(i)));
-                let t1 = round512(_mm512_mul_ps(x1, s), r);
-                let y0 = round512(_mm512_fmadd_ps(x0, c, xor512(t1, _mm512_set1_ps(-0.0))), r);
-                let t2 = round512(_mm512_mul_ps(x1, c), r);
-                let y1 = round512(_mm512_fmadd_ps(x0, s, t2), r);
+                let (y0, y1) = rot512(x0, x1, c, s, r);
                 _mm512_storeu_ps(xp.add(i), y0);
                 _mm512_storeu_ps(xp.add(h + i), y1);
             }
@@ -155,10 +152,7 @@ pub(crate) unsafe fn rotate_avx2(x: &mut [f32], row: &RopeRow<'_>, interleaved: 
                 let x0 = round256(_mm256_loadu_ps(xp.add(i)), r);
                 let x1 = round256(_mm256_loadu_ps(xp.add(h + i)), r);
                 let (c, s) = (_mm256_loadu_ps(row.c.as_ptr().add(i)), _mm256_loadu_ps(row.s.as_ptr().add(i)));
-                let t1 = round256(_mm256_mul_ps(x1, s), r);
-                let y0 = round256(_mm256_fmadd_ps(x0, c, _mm256_xor_ps(t1, _mm256_set1_ps(-0.0))), r);
-                let t2 = round256(_mm256_mul_ps(x1, c), r);
-                let y1 = round256(_mm256_fmadd_ps(x0, s, t2), r);
+                let (y0, y1) = rot256(x0, x1, c, s, r);
                 _mm256_storeu_ps(xp.add(i), y0);
                 _mm256_storeu_ps(xp.add(h + i), y1);
             }
@@ -351,7 +345,6 @@ pub(crate) unsafe fn heads_avx512<const K: u8>(
     let size = if K == F32 { 4 } else { 2 };
     let at = if interleaved { d - rd } else { 0 };
     let sign = _mm512_castsi512_ps(_mm512_set1_epi64(0x8000_0000));
-    let neg = _mm512_set1_ps(-0.0);
     let done = if interleaved { rd / 16 * 16 } else { rd / 2 / 16 * 16 };
     // bf16: 32 elements per step split into even / odd lanes by a shift and a mask, and joined
     // back by an OR: no widening or narrowing instruction (those were port-5 bound).
@@ -414,10 +407,7 @@ pub(crate) unsafe fn heads_avx512<const K: u8>(
                     let x0 = round512(load512::<K>(from.add(i * size)), r);
                     let x1 = round512(load512::<K>(from.add((hh + i) * size)), r);
                     let (c, s) = (_mm512_loadu_ps(row.c.as_ptr().add(i)), _mm512_loadu_ps(row.s.as_ptr().add(i)));
-                    let t1 = round512(_mm512_mul_ps(x1, s), r);
-                    let y0 = round512(_mm512_fmadd_ps(x0, c, xor512(t1, neg)), r);
-                    let t2 = round512(_mm512_mul_ps(x1, c), r);
-                    let y1 = round512(_mm512_fmadd_ps(x0, s, t2), r);
+                    let (y0, y1) = rot512(x0, x1, c, s, r);
                     store512::<K>(p0, y0);
                     store512::<K>(p1, y1);
                 }
