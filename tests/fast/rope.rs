@@ -654,3 +654,48 @@ fn kv_stores_every_isa() {
     go!(f32);
     go!(paged_qkv::E4M3);
 }
+
+/// Small enough for Miri (`cargo +nightly miri test --test fast miri_`): the standalone RoPE and
+/// the KV store on two threads (rows reach their cache slots through raw pointers) against the
+/// sequential run and the oracle, on a scrambled page table (slots out of row order).
+#[test]
+fn miri_rope_and_kv_store_parallel() {
+    let (hq, hkv, d, m) = (1, 2, 8, 10);
+    let shape = CacheShape::mha(8, 1, 2, hkv, d).unwrap();
+    let freqs = paged_qkv::freqs_cis(16, d, 10000.0);
+    let mut rng = Rng::new(76);
+    let q: Vec<bf16> = (0..m * hq * d).map(|_| bf16::from_f32(rng.normal())).collect();
+    let values: Vec<bf16> = (0..m * hkv * d).map(|_| bf16::from_f32(rng.normal())).collect();
+    let offs = [0u32, 4, m as u32];
+    let lookup = [5u32, 1, 7, 0, 3, 6, 2, 4]; // 2 sequences × 4 pages of 2
+    let run = |e: Option<Exec>| {
+        let mut cache: PagedKvCache<bf16> = random_cache(&mut Rng::new(5), shape);
+        let mut out = vec![bf16::ZERO; q.len()];
+        let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&lookup, 4, &[1, 0]).unwrap(), 0);
+        let store = KvStoreRaggedArgs { values: &values, input_row_offsets: &offs, which: KvSel::K };
+        let rope = RopeRaggedArgs {
+            q_proj: &q,
+            input_row_offsets: &offs,
+            num_q_heads: hq,
+            q_head_size: d,
+            freqs_cis: &freqs,
+            rope_dim: d,
+            position_ids: None,
+            interleaved: false,
+        };
+        match e {
+            Some(e) => {
+                fast::kv_store_ragged(&store, &mut kv, e).unwrap();
+                fast::rope_ragged(&rope, &mut out, &mut kv, RopeMath::F32, e).unwrap();
+            }
+            None => {
+                reference::kv_store_ragged(&store, &mut kv).unwrap();
+                reference::rope_ragged(&rope, &mut out, &mut kv, RopeMath::F32).unwrap();
+            }
+        }
+        (bits(&out), bits(cache.data()))
+    };
+    let want = run(None);
+    assert_eq!(run(Some(Exec::sequential())), want);
+    assert_eq!(crate::in_pool(2, || run(Some(Exec::default()))), want);
+}
