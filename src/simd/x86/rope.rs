@@ -344,30 +344,48 @@ pub(crate) unsafe fn heads_avx512<const K: u8>(
 ) -> usize {
     let size = if K == F32 { 4 } else { 2 };
     let at = if interleaved { d - rd } else { 0 };
+    let hh = rd / 2;
     let sign = _mm512_castsi512_ps(_mm512_set1_epi64(0x8000_0000));
-    let done = if interleaved { rd / 16 * 16 } else { rd / 2 / 16 * 16 };
-    // bf16: 32 elements per step split into even / odd lanes by a shift and a mask, and joined
-    // back by an OR: no widening or narrowing instruction (those were port-5 bound).
+    let done = if interleaved { rd / 16 * 16 } else { hh / 16 * 16 };
+    // bf16: 32 elements per step split into even / odd lanes by a shift and a mask, and stored by
+    // `join_bf16`: no widening or narrowing instruction (those were port-5 bound).
     let start = match K {
         BF16 if interleaved => rd / 32 * 32,
-        BF16 => rd / 2 / 32 * 32,
+        BF16 => hh / 32 * 32,
         _ => 0,
     };
+    // One pass over the heads, the pairing decided outside it (a head of Qwen's 64 dims is a
+    // single step: per-head overhead counts).
     for h in 0..heads {
         let (base, from) = (x.wrapping_add((h * d + at) * size), src.wrapping_add((h * d + at) * size));
-        for i in (0..start).step_by(32) {
-            // SAFETY: interleaved: elements i .. i + 32 of the region, pairs i/2 .. i/2 + 16 of c
-            // and s (rd/2 long); else elements i .. i + 32 of both halves (hh = rd/2 long, i + 32
-            // ≤ hh) and of cd, sd (hh long).
-            unsafe {
-                if interleaved {
+        if interleaved {
+            for i in (0..start).step_by(32) {
+                // SAFETY: elements i .. i + 32 of the region (rd long), pairs i/2 .. i/2 + 16 of
+                // c and s (rd/2 long).
+                unsafe {
                     let (x0, x1) = split_bf16(from.add(i * 2), r);
                     let c = _mm512_loadu_ps(row.c.as_ptr().add(i / 2));
                     let s = _mm512_loadu_ps(row.s.as_ptr().add(i / 2));
                     let (y0, y1) = rot512(x0, x1, c, s, r);
                     join_bf16(base.add(i * 2), y0, y1);
-                } else {
-                    let hh = rd / 2;
+                }
+            }
+            for i in (start..done).step_by(16) {
+                // SAFETY: elements i .. i + 16 of the region; f and fsw are rd long.
+                unsafe {
+                    let v = round512(load512::<K>(from.add(i * size)), r);
+                    let (x0, x1) = (_mm512_moveldup_ps(v), _mm512_movehdup_ps(v));
+                    let t = round512(_mm512_mul_ps(x1, _mm512_loadu_ps(row.fsw.as_ptr().add(i))), r);
+                    let t = xor512(t, sign);
+                    let y = round512(_mm512_fmadd_ps(x0, _mm512_loadu_ps(row.f.as_ptr().add(i)), t), r);
+                    store512::<K>(base.add(i * size), y);
+                }
+            }
+        } else {
+            for i in (0..start).step_by(32) {
+                // SAFETY: elements i .. i + 32 of both halves (hh long, i + 32 ≤ start ≤ hh) and
+                // of cd, sd (hh long).
+                unsafe {
                     let (x0e, x0o) = split_bf16(from.add(i * 2), r);
                     let (x1e, x1o) = split_bf16(from.add((hh + i) * 2), r);
                     let (ce, co) =
@@ -380,36 +398,15 @@ pub(crate) unsafe fn heads_avx512<const K: u8>(
                     join_bf16(base.add((hh + i) * 2), y1e, y1o);
                 }
             }
-        }
-    }
-    for h in 0..heads {
-        let base = x.wrapping_add((h * d + at) * size);
-        let from = src.wrapping_add((h * d + at) * size);
-        if interleaved {
-            for i in (start..done).step_by(16) {
-                // SAFETY: elements i .. i + 16 of the region; f and fsw are rd long.
-                unsafe {
-                    let p = base.add(i * size);
-                    let v = round512(load512::<K>(from.add(i * size)), r);
-                    let (x0, x1) = (_mm512_moveldup_ps(v), _mm512_movehdup_ps(v));
-                    let t = round512(_mm512_mul_ps(x1, _mm512_loadu_ps(row.fsw.as_ptr().add(i))), r);
-                    let t = xor512(t, sign);
-                    let y = round512(_mm512_fmadd_ps(x0, _mm512_loadu_ps(row.f.as_ptr().add(i)), t), r);
-                    store512::<K>(p, y);
-                }
-            }
-        } else {
-            let hh = rd / 2;
             for i in (start..done).step_by(16) {
                 // SAFETY: elements i .. i + 16 of both halves (hh long); c, s are hh long.
                 unsafe {
-                    let (p0, p1) = (base.add(i * size), base.add((hh + i) * size));
                     let x0 = round512(load512::<K>(from.add(i * size)), r);
                     let x1 = round512(load512::<K>(from.add((hh + i) * size)), r);
                     let (c, s) = (_mm512_loadu_ps(row.c.as_ptr().add(i)), _mm512_loadu_ps(row.s.as_ptr().add(i)));
                     let (y0, y1) = rot512(x0, x1, c, s, r);
-                    store512::<K>(p0, y0);
-                    store512::<K>(p1, y1);
+                    store512::<K>(base.add(i * size), y0);
+                    store512::<K>(base.add((hh + i) * size), y1);
                 }
             }
         }
