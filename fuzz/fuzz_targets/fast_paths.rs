@@ -140,7 +140,15 @@ fuzz_target!(|data: &[u8]| {
     let q_dim = hd * (s.below(3) + 1) - if s.below(10) == 0 { 1 } else { 0 };
     let n = if shape.is_mla() { q_dim + 1 + s.below(hd) } else { q_dim + 2 * kvw };
     let with_rope = s.below(2) == 0;
-    let freqs: Vec<f32> = paged_qkv::freqs_cis(s.below(24) + 1, hd, 100.0);
+    let mut freqs: Vec<f32> = paged_qkv::freqs_cis(s.below(24) + 1, hd, 100.0);
+    if s.below(4) == 0 {
+        // Arbitrary bits in some entries: NaNs with any payload, infinities, subnormals, huge
+        // values (the bf16 stores' rounding and the NaN handling of the tabulated forms).
+        for _ in 0..s.below(4) + 1 {
+            let i = s.below(freqs.len());
+            freqs[i] = f32::from_bits(u32::from_le_bytes([s.byte(), s.byte(), s.byte(), s.byte()]));
+        }
+    }
     let ids: Option<Vec<u32>> = (s.below(3) == 0).then(|| (0..m).map(|_| s.below(30) as u32).collect());
     let rope = with_rope.then(|| QkvRope {
         freqs_cis: Freqs::F32(&freqs),
