@@ -114,6 +114,18 @@ fn rope_table() -> Vec<f32> {
     paged_qkv::freqs_cis(64, HEAD, 10000.0)
 }
 
+/// Fused RoPE over whole heads of `HEAD` dims.
+fn qkv_rope(freqs: &[f32]) -> QkvRope<'_> {
+    QkvRope {
+        freqs_cis: Freqs::F32(freqs),
+        q_head_size: HEAD,
+        rope_dim: HEAD,
+        interleaved: false,
+        position_ids: None,
+        math: RopeMath::F32,
+    }
+}
+
 #[test]
 fn packed_fp4_calls_do_not_allocate_in_steady_state() {
     let w = weights();
@@ -133,14 +145,7 @@ fn packed_fp4_calls_do_not_allocate_in_steady_state() {
             let a = &acts[usize::from(m > 1)];
             let offsets = [0u32, m as u32];
             let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0, 1], 2, &[3]).unwrap(), 0);
-            let rope = with_rope.then(|| QkvRope {
-                freqs_cis: Freqs::F32(&freqs),
-                q_head_size: HEAD,
-                rope_dim: HEAD,
-                interleaved: false,
-                position_ids: None,
-                math: RopeMath::F32,
-            });
+            let rope = with_rope.then(|| qkv_rope(&freqs));
             let args = QkvFp4PackedArgs { rope, ..QkvFp4PackedArgs::new(a.as_ref(), &offsets, &packed, HQ * HEAD) };
             fast::qkv_fp4_ragged_packed(&args, &mut q[..m * HQ * HEAD], &mut kv, exec).unwrap();
         });
@@ -160,14 +165,7 @@ fn packed_bf16_calls_do_not_allocate_in_steady_state() {
         let found = steady(&[1, 9], |m, exec| {
             let offsets = [0u32, m as u32];
             let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0, 1], 2, &[3]).unwrap(), 0);
-            let rope = with_rope.then(|| QkvRope {
-                freqs_cis: Freqs::F32(&freqs),
-                q_head_size: HEAD,
-                rope_dim: HEAD,
-                interleaved: false,
-                position_ids: None,
-                math: RopeMath::F32,
-            });
+            let rope = with_rope.then(|| qkv_rope(&freqs));
             let args = QkvRaggedPackedArgs {
                 hidden_state: &x[..m * K],
                 input_row_offsets: &offsets,

@@ -200,65 +200,68 @@ pub(crate) fn fp4_mr(token: IsaToken) -> usize {
     }
 }
 
+/// Calls the group kernel `$f::<R>` with R = `$count` (a micro-kernel of at most 4 or 8 rows: a
+/// count past the maximum takes the maximum, which the callers' asserts rule out).
+macro_rules! by_rows {
+    ($f:ident, 4, $count:expr, $($arg:expr),*) => {
+        match $count {
+            1 => $f::<1>($($arg),*),
+            2 => $f::<2>($($arg),*),
+            3 => $f::<3>($($arg),*),
+            _ => $f::<4>($($arg),*),
+        }
+    };
+    ($f:ident, 8, $count:expr, $($arg:expr),*) => {
+        match $count {
+            1 => $f::<1>($($arg),*),
+            2 => $f::<2>($($arg),*),
+            3 => $f::<3>($($arg),*),
+            4 => $f::<4>($($arg),*),
+            5 => $f::<5>($($arg),*),
+            6 => $f::<6>($($arg),*),
+            7 => $f::<7>($($arg),*),
+            _ => $f::<8>($($arg),*),
+        }
+    };
+}
+
 /// Runs the FP4 group kernel of `token`'s ISA on `rows.count()` (≤ [`fp4_mr`]) rows, writing
 /// `out[r][c]` for r < rows.count(), c < 16.
 pub(crate) fn fp4_group(token: IsaToken, g: &Fp4Group<'_>, rows: &Fp4Rows<'_>, out: &mut [[f32; GROUP]; MR]) {
     g.check(rows);
     assert!(rows.count() <= fp4_mr(token));
     // One monomorphised kernel per row count keeps the accumulators in registers.
-    macro_rules! by_rows {
-        ($f:ident) => {
-            match rows.count() {
-                1 => $f::<1>(g, rows, out),
-                2 => $f::<2>(g, rows, out),
-                3 => $f::<3>(g, rows, out),
-                _ => $f::<4>(g, rows, out),
-            }
-        };
-        ($f:ident, 8) => {
-            match rows.count() {
-                1 => $f::<1>(g, rows, out),
-                2 => $f::<2>(g, rows, out),
-                3 => $f::<3>(g, rows, out),
-                4 => $f::<4>(g, rows, out),
-                5 => $f::<5>(g, rows, out),
-                6 => $f::<6>(g, rows, out),
-                7 => $f::<7>(g, rows, out),
-                _ => $f::<8>(g, rows, out),
-            }
-        };
-    }
     match token.0 {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the token proves AVX2 and FMA were detected; `check` proved the slice lengths
         // the kernel's unchecked loads rely on.
         Isa::Avx2 => unsafe {
             use x86::fp4::fp4_group_avx2 as k;
-            by_rows!(k)
+            by_rows!(k, 4, rows.count(), g, rows, out)
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the token proves AVX-512 F, BW and VNNI were detected; lengths as above.
         Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
             use x86::fp4::fp4_group_avx512 as k;
-            by_rows!(k, 8)
+            by_rows!(k, 8, rows.count(), g, rows, out)
         },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: the token proves NEON was detected; lengths as above.
         Isa::Neon => unsafe {
             use neon::fp4::fp4_group_neon as k;
-            by_rows!(k)
+            by_rows!(k, 4, rows.count(), g, rows, out)
         },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: the token proves NEON and dotprod were detected; lengths as above.
         Isa::NeonDotprod => unsafe {
             use neon::fp4::fp4_group_sdot as k;
-            by_rows!(k)
+            by_rows!(k, 4, rows.count(), g, rows, out)
         },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: the token proves NEON, dotprod and i8mm were detected; lengths as above.
         Isa::NeonI8mm => unsafe {
             use neon::fp4::fp4_group_smmla as k;
-            by_rows!(k)
+            by_rows!(k, 4, rows.count(), g, rows, out)
         },
         _ => group_scalar(g, rows, out),
     }
@@ -269,47 +272,25 @@ pub(crate) fn fp4_group(token: IsaToken, g: &Fp4Group<'_>, rows: &Fp4Rows<'_>, o
 pub(crate) fn fp8_group(token: IsaToken, g: &Fp8Group<'_>, rows: &Fp8Rows<'_>, out: &mut [[f32; GROUP]; MR]) {
     g.check(rows);
     assert!(rows.count <= fp4_mr(token));
-    macro_rules! by_rows {
-        ($f:ident) => {
-            match rows.count {
-                1 => $f::<1>(g, rows, out),
-                2 => $f::<2>(g, rows, out),
-                3 => $f::<3>(g, rows, out),
-                _ => $f::<4>(g, rows, out),
-            }
-        };
-        ($f:ident, 8) => {
-            match rows.count {
-                1 => $f::<1>(g, rows, out),
-                2 => $f::<2>(g, rows, out),
-                3 => $f::<3>(g, rows, out),
-                4 => $f::<4>(g, rows, out),
-                5 => $f::<5>(g, rows, out),
-                6 => $f::<6>(g, rows, out),
-                7 => $f::<7>(g, rows, out),
-                _ => $f::<8>(g, rows, out),
-            }
-        };
-    }
     match token.0 {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the token proves AVX2, FMA and F16C were detected; `check` proved the slice
         // lengths the kernel's unchecked loads rely on.
         Isa::Avx2 => unsafe {
             use x86::fp8::fp8_group_avx2 as k;
-            by_rows!(k)
+            by_rows!(k, 4, rows.count, g, rows, out)
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the token proves AVX-512 F and BW were detected; lengths as above.
         Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
             use x86::fp8::fp8_group_avx512 as k;
-            by_rows!(k, 8)
+            by_rows!(k, 8, rows.count, g, rows, out)
         },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: the token proves NEON was detected; lengths as above.
         Isa::Neon | Isa::NeonDotprod | Isa::NeonI8mm => unsafe {
             use neon::fp8::fp8_group_neon as k;
-            by_rows!(k)
+            by_rows!(k, 4, rows.count, g, rows, out)
         },
         _ => fp8::group_scalar(g, rows, out),
     }

@@ -203,9 +203,9 @@ pub(crate) fn narrow<T: Element>(token: IsaToken, src: &[f32], dst: &mut [T]) {
 }
 
 /// Rotates the rotary region of each of `heads` consecutive heads of `d` elements of `x` in place
-/// (interleaved: the last `rope_dim` dims of a head, else the first). AVX-512 loads and stores the
-/// element types directly; other ISAs go through `buf` (≥ `rope_dim` f32) with [`widen`],
-/// [`rotate`] and [`narrow`]; the same operations either way.
+/// (interleaved: the last `rope_dim` dims of a head, else the first). AVX-512 and AVX2 load and
+/// store bf16/f16/f32 directly; other ISAs and E4M3 go through `buf` (≥ `rope_dim` f32) with
+/// [`widen`], [`rotate`] and [`narrow`]; the same operations either way.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn rotate_heads<T: Element>(
     token: IsaToken,
@@ -272,7 +272,10 @@ pub(crate) fn rotate_heads_from<T: Element>(
             }
         };
         // The tail pairs (fewer than a vector), one at a time.
-        for h in (0..heads).filter(|_| done < rd / 2) {
+        if done == rd / 2 {
+            return; // (a head of whole vectors: no per-head slicing for nothing)
+        }
+        for h in 0..heads {
             let (o, head) = (h * d + at, &mut x[h * d + at..h * d + at + rd]);
             for i in done..rd / 2 {
                 let (j0, j1) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + rd / 2) };
