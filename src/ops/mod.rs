@@ -414,12 +414,14 @@ pub(crate) fn validate_qkv_rope(
 pub(crate) const MAX_FUSED_HEAD: usize = 1024;
 
 /// Validates a KV store's arguments (`rows` of the call, the stored values' length) and returns
-/// its slot plan.
+/// its slot plan. `rows` lists the call's rows: it runs only after `values` is known to hold
+/// them (every cache dimension is ≥ 1), so its memory is bounded by the input (a 2.7 KB case
+/// file with a row offset of 2³² − 1 once asked for 17 GB here; found by the `case_file` target).
 pub(crate) fn validate_kv_store<C: Element>(
     which: KvSel,
     values_len: usize,
     dims: &[usize],
-    rows: Result<Pooled<(usize, usize, bool)>>,
+    rows: impl FnOnce() -> Result<Pooled<(usize, usize, bool)>>,
     batch: usize,
     kv: &KvWrite<'_, C>,
 ) -> Result<SlotPlan> {
@@ -428,7 +430,7 @@ pub(crate) fn validate_kv_store<C: Element>(
         return Err(Error::Unsupported { what: "storing V into an MLA (K-only) cache".into() });
     }
     check_tensor("values", values_len, dims)?;
-    let rows = rows?;
+    let rows = rows()?;
     check_table_batch(&kv.page_table, batch)?;
     SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &rows)
 }
@@ -440,7 +442,7 @@ pub(crate) fn validate_kv_store_ragged<T: Element, C: Element>(
 ) -> Result<SlotPlan> {
     let shape = kv.cache.shape();
     let m = args.input_row_offsets.last().map_or(0, |&x| x as usize);
-    let rows = ragged_rows(args.input_row_offsets, m).map(|r| r.iter().map(|&(b, t)| (b, t, true)).collect());
+    let rows = || ragged_rows(args.input_row_offsets, m).map(|r| r.iter().map(|&(b, t)| (b, t, true)).collect());
     let dims = [m, shape.num_kv_heads(), shape.head_size()];
     validate_kv_store(args.which, args.values.len(), &dims, rows, args.input_row_offsets.len().max(1) - 1, kv)
 }
@@ -452,7 +454,7 @@ pub(crate) fn validate_kv_store_bshd<T: Element, C: Element>(
 ) -> Result<SlotPlan> {
     let shape = kv.cache.shape();
     let (batch, s) = (args.batch, args.seq_len);
-    let rows = check_valid_lengths(args.valid_lengths, batch, s).map(|_| padded_rows(args.valid_lengths, s));
+    let rows = || check_valid_lengths(args.valid_lengths, batch, s).map(|_| padded_rows(args.valid_lengths, s));
     let dims = [batch, s, shape.num_kv_heads(), shape.head_size()];
     validate_kv_store(args.which, args.values.len(), &dims, rows, batch, kv)
 }

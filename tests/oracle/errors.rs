@@ -397,3 +397,24 @@ fn zero_width_dimensions_are_rejected() {
     });
     assert!(matches!(e, Error::InvalidDim { arg: "num_q_heads", .. }));
 }
+
+/// A row offset of 2³² − 1 with a handful of values: the KV store's validation rejects the values
+/// before listing the rows (it listed 2³² rows first: ~100 GB, an abort; found by the `case_file`
+/// fuzz target), on the oracle and the fast path.
+#[test]
+fn kv_store_row_count_is_bounded_by_values_before_rows_are_listed() {
+    let shape = CacheShape::mha(2, 1, 4, 1, 16).unwrap();
+    let mut cache = PagedKvCache::<f32>::zeros(shape);
+    let values = vec![0f32; 80];
+    let offsets = [0, u32::MAX];
+    let args = KvStoreRaggedArgs { values: &values, input_row_offsets: &offsets, which: KvSel::K };
+    for fast in [false, true] {
+        let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0], 1, &[0]).unwrap(), 0);
+        let e = if fast {
+            paged_qkv::fast::kv_store_ragged(&args, &mut kv, paged_qkv::Exec::default()).unwrap_err()
+        } else {
+            kv_store_ragged(&args, &mut kv).unwrap_err()
+        };
+        assert!(matches!(e, Error::Shape { arg: "values", .. }), "{e}");
+    }
+}
