@@ -126,30 +126,34 @@ fn qkv_rope(freqs: &[f32]) -> QkvRope<'_> {
     }
 }
 
+/// NVFP4 and MXFP8 (whose tiles of 16 rows or more decode their weights into a per-thread buffer).
 #[test]
 fn packed_fp4_calls_do_not_allocate_in_steady_state() {
     let w = weights();
     let n = w.len() / K;
-    let packed =
-        PackedWeights::new(quantize(BlockFormat::Nvfp4, &w, n, K, nvfp4_global_scale(amax(&w))).unwrap().as_ref());
-    let x: Vec<f32> = (0..9 * K).map(|i| ((i as f32) * 0.11).cos()).collect();
-    let acts: Vec<_> = [1usize, 9]
-        .iter()
-        .map(|&m| quantize(BlockFormat::Nvfp4, &x[..m * K], m, K, nvfp4_global_scale(amax(&x))).unwrap())
-        .collect();
+    let ms = [1usize, 9, 20];
+    let x: Vec<f32> = (0..20 * K).map(|i| ((i as f32) * 0.11).cos()).collect();
     let freqs = rope_table();
     let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(8, 1, 16, HKV, HEAD).unwrap());
-    let mut q = vec![bf16::ZERO; 9 * HQ * HEAD];
-    for with_rope in [false, true] {
-        let found = steady(&[1, 9], |m, exec| {
-            let a = &acts[usize::from(m > 1)];
-            let offsets = [0u32, m as u32];
-            let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0, 1], 2, &[3]).unwrap(), 0);
-            let rope = with_rope.then(|| qkv_rope(&freqs));
-            let args = QkvFp4PackedArgs { rope, ..QkvFp4PackedArgs::new(a.as_ref(), &offsets, &packed, HQ * HEAD) };
-            fast::qkv_fp4_ragged_packed(&args, &mut q[..m * HQ * HEAD], &mut kv, exec).unwrap();
-        });
-        assert!(found.iter().all(|f| f.3 == 0), "rope {with_rope}: (M, par, ISA, allocations) {found:?}");
+    let mut q = vec![bf16::ZERO; 20 * HQ * HEAD];
+    for format in [BlockFormat::Nvfp4, BlockFormat::Mxfp8] {
+        let packed = PackedWeights::new(quantize(format, &w, n, K, nvfp4_global_scale(amax(&w))).unwrap().as_ref());
+        let acts: Vec<_> =
+            ms.iter().map(|&m| quantize(format, &x[..m * K], m, K, nvfp4_global_scale(amax(&x))).unwrap()).collect();
+        for with_rope in [false, true] {
+            let found = steady(&ms, |m, exec| {
+                let a = &acts[ms.iter().position(|&x| x == m).unwrap()];
+                let offsets = [0u32, m as u32];
+                let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0, 1], 2, &[3]).unwrap(), 0);
+                let rope = with_rope.then(|| qkv_rope(&freqs));
+                let args = QkvFp4PackedArgs { rope, ..QkvFp4PackedArgs::new(a.as_ref(), &offsets, &packed, HQ * HEAD) };
+                fast::qkv_fp4_ragged_packed(&args, &mut q[..m * HQ * HEAD], &mut kv, exec).unwrap();
+            });
+            assert!(
+                found.iter().all(|f| f.3 == 0),
+                "{format:?} rope {with_rope}: (M, par, ISA, allocations) {found:?}"
+            );
+        }
     }
 }
 

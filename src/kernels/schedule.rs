@@ -58,11 +58,11 @@ thread_local! {
 }
 
 /// Runs all tasks of a call: `m` rows of `src` into `dest`, on the current rayon pool when
-/// `parallel`. Row tiles of `S::MC` rows (decode and small prefill stream each weight panel once);
+/// `parallel`. Row tiles of `src.mc(token)` rows (decode and small prefill stream each weight panel once);
 /// panels that compute only the destination's K/V rows tile those rows instead.
 pub(crate) fn run<S: Operands, D: Dest>(src: &S, dest: &D, m: usize, token: IsaToken, parallel: bool, panels: &Panels) {
-    debug_assert!(S::MC <= MAX_MC);
-    let mc = S::MC;
+    let mc = src.mc(token);
+    assert!(mc <= MAX_MC);
     let row_tiles = m.div_ceil(mc);
     let np = panels.count();
     let kv_rows = dest.kv_rows();

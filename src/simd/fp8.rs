@@ -34,8 +34,10 @@ pub(crate) struct Fp8Group<'a> {
 pub(crate) struct Fp8Rows<'a> {
     /// E4M3 values as f32, `kb · V` each (zero padded).
     pub a: [&'a [f32]; MR],
-    /// Per block: the scale exponent offset `e − 119`.
+    /// Per block: the scale exponent offset `e − 119` (as i32 bits).
     pub sc: [&'a [u32]; MR],
+    /// The same offsets as f32 (what `vscalefps` takes).
+    pub scf: [&'a [f32]; MR],
     pub count: usize,
 }
 
@@ -46,7 +48,7 @@ impl Fp8Group<'_> {
         assert!(self.v.is_multiple_of(2), "blocks of an even number of k");
         assert!(self.w.len() >= self.kb * self.v * GROUP && self.ws.len() >= self.kb * GROUP);
         for r in 0..MR {
-            assert!(rows.a[r].len() >= self.kb * self.v && rows.sc[r].len() >= self.kb);
+            assert!(rows.a[r].len() >= self.kb * self.v && rows.sc[r].len() >= self.kb && rows.scf[r].len() >= self.kb);
         }
     }
 }

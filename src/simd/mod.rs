@@ -296,6 +296,106 @@ pub(crate) fn fp8_group(token: IsaToken, g: &Fp8Group<'_>, rows: &Fp8Rows<'_>, o
     }
 }
 
+/// k-blocks per decoded slice of the tiled MXFP8 kernel ([`fp8_tiled`]): 8 blocks × 32 k × 32
+/// columns of f32 = 32 KiB, which stays in L1 while every row chunk of a tile reads it
+/// (measured on the Llama-3-8B shape at M = 512, Intel Xeon: 2, 4, 6, 12 and 16 blocks slower).
+pub(crate) const FP8_DEC_BLOCKS: usize = 8;
+
+/// Whether `token`'s ISA has the tiled MXFP8 kernel ([`fp8_tiled`]).
+pub(crate) fn fp8_decodes(token: IsaToken) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(token.0, Isa::Avx512 | Isa::Avx512Bf16) {
+        return true;
+    }
+    let _ = token;
+    false
+}
+
+/// MXFP8 for several chunks of rows × `groups` adjacent weight groups (`group(i)`, all of one
+/// weight), where [`fp8_decodes`]: for each pair of groups (the last alone when the count is
+/// odd) and each slice of [`FP8_DEC_BLOCKS`] blocks, the weights are decoded once into
+/// `scratch` and every chunk runs on them, continuing its accumulators through `out`. Writes
+/// `out[(ci·mr + i)·ld + g·16 + c]` (mr = [`fp4_mr`]; every chunk but the last has mr rows): the
+/// canonical order of [`fp8`], so the bits of [`fp8_group`].
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables, unused_mut))] // only x86 has it
+pub(crate) fn fp8_tiled<'w>(
+    token: IsaToken,
+    groups: usize,
+    group: impl Fn(usize) -> Fp8Group<'w>,
+    chunks: &[Fp8Rows<'_>],
+    out: &mut [f32],
+    ld: usize,
+    scratch: &mut Vec<f32>,
+) {
+    assert!(fp8_decodes(token), "no tiled MXFP8 kernel on {:?}", token.0);
+    let mr = fp4_mr(token);
+    let Some(last) = chunks.last() else { return };
+    assert!(chunks[..chunks.len() - 1].iter().all(|c| c.count == mr));
+    assert!(last.count >= 1 && last.count <= mr);
+    let rows = (chunks.len() - 1) * mr + last.count;
+    assert!(groups >= 1 && ld >= groups * GROUP && out.len() >= (rows - 1) * ld + groups * GROUP);
+    let (v, kb) = (group(0).v, group(0).kb);
+    for g in 0..groups {
+        let gr = group(g);
+        assert!(gr.v == v && gr.kb == kb && gr.w.len() >= kb * v * GROUP);
+        for c in chunks {
+            gr.check(c);
+        }
+    }
+    let need = FP8_DEC_BLOCKS * v * GROUP * 2;
+    if scratch.len() < need {
+        scratch.resize(need, 0.0);
+    }
+    // Slices outermost: a slice of every row's activations stays in L2 while each group pair
+    // is decoded and run on it.
+    for b0 in (0..kb).step_by(FP8_DEC_BLOCKS) {
+        let b1 = (b0 + FP8_DEC_BLOCKS).min(kb);
+        let mut g = 0;
+        while g < groups {
+            let gn = if g + 2 <= groups { 2 } else { 1 };
+            let pair = [group(g), group(g + gn - 1)];
+            let gs = &pair[..gn];
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `fp8_decodes` proved the token is AVX-512 (F and BW detected); the groups
+            // share v and kb, hold their weight bytes, `b1 ≤ kb`, and `scratch` holds `need`
+            // values (all checked above).
+            unsafe {
+                x86::fp8::fp8_decode_avx512(gs, b0, b1, scratch)
+            };
+            for (ci, rows) in chunks.iter().enumerate() {
+                let o = &mut out[ci * mr * ld + g * GROUP..];
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: AVX-512 F as above; every group's `check(rows)` passed; `scratch` was
+                // just filled for (gs, b0, b1); chunk ci's rows end at row ≤ rows − 1, so `o`
+                // holds (count − 1)·ld + 16·gn values (`out.len()` checked above).
+                unsafe {
+                    use x86::fp8::fp8_decoded_avx512 as k;
+                    macro_rules! g2 {
+                        ($r:literal) => {
+                            if gn == 2 {
+                                k::<$r, 2>(scratch, gs, b0, b1, rows, o, ld)
+                            } else {
+                                k::<$r, 1>(scratch, gs, b0, b1, rows, o, ld)
+                            }
+                        };
+                    }
+                    match rows.count {
+                        1 => g2!(1),
+                        2 => g2!(2),
+                        3 => g2!(3),
+                        4 => g2!(4),
+                        5 => g2!(5),
+                        6 => g2!(6),
+                        7 => g2!(7),
+                        _ => g2!(8),
+                    }
+                }
+            }
+            g += gn;
+        }
+    }
+}
+
 /// Runs the MXFP8 kernel of `token`'s ISA on one activation row (`rows.count == 1`) and
 /// [`ROW_GROUPS`] groups of the same weight, writing `out[g][c]`: the same bits as
 /// [`fp8_group`] on each group, with independent chains where the ISA has a kernel for it.

@@ -103,6 +103,10 @@ fn check_bound(s: &Setup, tsf: f32, fast: &(Vec<f32>, Vec<f32>), exact: &(Vec<f3
             assert!(got.is_nan(), "row {i} col {n}: NaN expected, got {got}");
             return;
         }
+        if want.is_infinite() {
+            assert_eq!(got, want, "row {i} col {n}: overflow expected");
+            return;
+        }
         let sum = if fp4 { abs_block_sum(s, i, n, tsf) } else { abs_term_sum(s, i, n, tsf) };
         let bound = (kb + 2.0) * u * sum + want.abs() as f64 * u + 1e-38;
         let diff = (got as f64 - want as f64).abs();
@@ -288,6 +292,71 @@ fn nan_scales_match_the_oracle() {
             let got: (Vec<f32>, Vec<f32>) = run(&s, 1.0, Some(Exec::default().with_isa(isa)), 1);
             for (g, e) in got.0.iter().zip(&exact.0).chain(got.1.iter().zip(&exact.1)) {
                 assert_eq!(g.is_nan(), e.is_nan(), "{format:?} {isa:?}");
+            }
+        }
+    }
+}
+
+/// MXFP8 tiles of 16 rows or more run the tiled kernel (weights decoded once per tile, slices of
+/// 8 blocks, group pairs plus a lone last group, accumulators continued through memory, scales
+/// by `vscalefps`): bit-identical to the scalar kernel for tiles of 2 to 8 full chunks and a short
+/// last chunk, K of 3, 9 and 17 blocks (slices cut short), heads of 1, 3 and 8 groups; weight
+/// scales of 2^-127 (the subnormal weight-scale factor, with activation scales that keep the
+/// product normal), products past f32 (exact path), and NaN elements.
+#[test]
+fn mxfp8_tiled_kernel_is_bit_identical() {
+    let isas = isas();
+    let mut rng = Rng::new(56);
+    let cases = [(vec![16usize], 96usize, 16usize, 3usize), (vec![9, 0, 8], 288, 48, 2), (vec![70, 3], 544, 128, 1)];
+    for (case, (lens, k, hd, hq)) in cases.into_iter().enumerate() {
+        let c = Config {
+            format: BlockFormat::Mxfp8,
+            k,
+            cache_lengths: lens.iter().map(|_| rng.range(0, 40) as u32).collect(),
+            lens,
+            hq,
+            hkv: 1,
+            hd,
+            page: 16,
+            layers: 1,
+            mla_width: None,
+        };
+        let mut s = setup(&mut rng, &c);
+        let (m, n) = (s.a.rows(), s.w.rows());
+        // Activation scales 2^60 .. 2^80 in some rows (so a weight scale of 2^-127 stays normal
+        // in the product), weight scales 2^-127 in some blocks (in every block of some columns)
+        // and 2^120 in others.
+        let lay = s.a.as_ref().scale_layout();
+        let (data, mut scales, ts) = s.a.clone().into_parts();
+        for r in (0..m).filter(|r| r % 3 != 1) {
+            for b in 0..lay.k_blocks() {
+                scales[lay.offset(r, b)] = 187 + rng.below(20) as u8;
+            }
+        }
+        s.a = QuantizedMatrix::from_parts(BlockFormat::Mxfp8, m, k, data, scales, ts).unwrap();
+        let lay = s.w.as_ref().scale_layout();
+        let (mut data, mut scales, ts) = s.w.clone().into_parts();
+        for r in 0..n {
+            for b in 0..lay.k_blocks() {
+                match rng.below(12) {
+                    _ if r % 5 == 2 => scales[lay.offset(r, b)] = 0, // every block: visible
+                    0 => scales[lay.offset(r, b)] = 0,
+                    1 => scales[lay.offset(r, b)] = 247,
+                    _ => {}
+                }
+            }
+        }
+        data[(n / 2) * k + k / 3] = 0x7F; // a NaN element: that column goes exact
+        s.w = QuantizedMatrix::from_parts(BlockFormat::Mxfp8, n, k, data, scales, ts).unwrap();
+        let base: (Vec<f32>, Vec<f32>) = run(&s, 1.0, Some(scalar()), 6);
+        let exact: (Vec<f32>, Vec<f32>) = run(&s, 1.0, None, 6);
+        check_bound(&s, 1.0, &base, &exact);
+        assert!(base.0.iter().any(|v| v.is_finite() && *v != 0.0), "case {case}: some ordinary values");
+        for &isa in &isas {
+            for par in [Par::Sequential, Par::Rayon] {
+                let got: (Vec<f32>, Vec<f32>) = run(&s, 1.0, Some(Exec { par, isa: Some(isa) }), 6);
+                assert_eq!(bits(&got.0), bits(&base.0), "{isa:?} {par:?} output, case {case}");
+                assert_eq!(bits(&got.1), bits(&base.1), "{isa:?} {par:?} cache, case {case}");
             }
         }
     }

@@ -191,3 +191,103 @@ pub(crate) unsafe fn fp8_row_avx512(
         unsafe { _mm512_storeu_ps(o.as_mut_ptr(), ac) };
     }
 }
+
+/// Decodes blocks `b0 .. b1` of the groups `gs` (1 or 2, same `v`) into `dst[(kk − b0·V)·16·G +
+/// g·16 + c]` as f32 `w · 2⁻⁸`: the instructions of [`fp8_group_avx512`], so the same values it
+/// forms in registers (NaN bytes give some value: their columns are computed exactly).
+///
+/// # Safety
+/// AVX-512 F and BW must be available; `g.check(..)` must have passed for every group, `b1 ≤ kb`,
+/// and `dst.len() ≥ (b1 − b0) · V · 16 · gs.len()`.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(crate) unsafe fn fp8_decode_avx512(gs: &[Fp8Group<'_>], b0: usize, b1: usize, dst: &mut [f32]) {
+    let sign = _mm512_set1_epi16(0x8000u16 as i16);
+    let (v, gn) = (gs[0].v, gs.len());
+    let d = dst.as_mut_ptr();
+    for (gi, g) in gs.iter().enumerate() {
+        for kk in (b0 * v..b1 * v).step_by(2) {
+            // SAFETY: the weight bytes of k-pair kk are in w (`check`: w.len() ≥ kb · V · 16 and
+            // kk + 2 ≤ b1 · V); rows kk − b0·V and kk + 1 − b0·V of dst exist (dst.len() above).
+            unsafe {
+                let x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(g.w.as_ptr().add(kk * GROUP).cast()));
+                let mag = _mm512_srli_epi16::<2>(_mm512_slli_epi16::<9>(x));
+                let h = _mm512_ternarylogic_epi32::<0xD8>(mag, _mm512_slli_epi16::<8>(x), sign);
+                let row = d.add(((kk - b0 * v) * gn + gi) * GROUP);
+                _mm512_storeu_ps(row, _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
+                _mm512_storeu_ps(row.add(gn * GROUP), _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(h)));
+            }
+        }
+        // The next slice's bytes into L2 while the row chunks run on this one (the loads above
+        // waited on L3: measured, this decode was 17 % of the tile kernel's time without it).
+        let (from, to) = (b1 * v * GROUP, ((2 * b1 - b0) * v * GROUP).min(g.w.len()));
+        for off in (from..to).step_by(64) {
+            // SAFETY: `off < g.w.len()`: the address is inside the group's bytes (a prefetch
+            // never faults anyway).
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(g.w.as_ptr().add(off).cast()) };
+        }
+    }
+}
+
+/// Blocks `b0 .. b1` of R rows × G groups (1 or 2) from weights decoded by [`fp8_decode_avx512`]:
+/// per block the chain `bs = fma(a_k, w_k, bs)` in k order, then `acc = fma(bs, s, acc)` with the
+/// accumulator read from and written to `out[r·ld + g·16 + c]` (0 before block 0) — the
+/// canonical order, so the bits of [`fp8_group_avx512`]. The weights are decoded once per tile
+/// and read from L1 by every row chunk (the group kernel decodes them again for each chunk:
+/// 10 of its 26 vector operations per k-pair).
+///
+/// # Safety
+/// AVX-512 F must be available; `g.check(rows)` must have passed for every group in `gs` (G of
+/// them, same `v`, `kb`), `b1 ≤ kb`, `wd` as [`fp8_decode_avx512`] fills it for (`gs`, `b0`,
+/// `b1`), and `out.len() ≥ (R − 1) · ld + 16 · G`.
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn fp8_decoded_avx512<const R: usize, const G: usize>(
+    wd: &[f32],
+    gs: &[Fp8Group<'_>],
+    b0: usize,
+    b1: usize,
+    rows: &Fp8Rows<'_>,
+    out: &mut [f32],
+    ld: usize,
+) {
+    debug_assert!(rows.count == R && gs.len() == G && wd.len() >= (b1 - b0) * gs[0].v * GROUP * G);
+    debug_assert!(out.len() >= (R - 1) * ld + GROUP * G);
+    let v = gs[0].v;
+    let (wp, op) = (wd.as_ptr(), out.as_mut_ptr());
+    for b in b0..b1 {
+        let mut bs = [[_mm512_setzero_ps(); G]; R];
+        let wb = (b - b0) * v * GROUP * G;
+        for kk in 0..v {
+            // SAFETY: row kk of block b's decoded weights is in wd (length above).
+            let w: [__m512; G] = std::array::from_fn(|g| unsafe { _mm512_loadu_ps(wp.add(wb + (kk * G + g) * GROUP)) });
+            for r in 0..R {
+                // SAFETY: `check` proved a.len() ≥ kb · V > b · V + kk.
+                let a = _mm512_set1_ps(unsafe { at(rows.a[r], b * v + kk) });
+                for g in 0..G {
+                    bs[r][g] = _mm512_fmadd_ps(a, w[g], bs[r][g]);
+                }
+            }
+        }
+        for g in 0..G {
+            // The weight scales 2^(sb − 127) (sb = 0 gives the subnormal 2^-127, exactly), then
+            // per row `s = scalef(2^(sb − 127), e − 119)`: the group kernel's
+            // `clamp(sb + e − 119, 0, 255) << 23` wherever that product is used — an exponent sum
+            // in 1 ..= 254 gives the same power of two, ≥ 255 gives +∞ in both, and a sum ≤ 0 or a
+            // NaN scale (sb = 255) sends the element to the exact path (`may_underflow`,
+            // `nan_col`). With the accumulation: two operations per row and group instead of five.
+            // SAFETY: `check` proved ws.len() ≥ kb · 16 > b · 16 + 15.
+            let sb = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(gs[g].ws.as_ptr().add(b * GROUP).cast())) };
+            let e = _mm512_sub_ps(_mm512_cvtepi32_ps(sb), _mm512_set1_ps(127.0));
+            let ws = _mm512_scalef_ps(_mm512_set1_ps(1.0), e);
+            for r in 0..R {
+                // SAFETY: `check` proved scf.len() ≥ kb > b.
+                let s = _mm512_scalef_ps(ws, _mm512_set1_ps(unsafe { at(rows.scf[r], b) }));
+                // SAFETY: r · ld + g · 16 + 16 ≤ out.len() (above).
+                unsafe {
+                    let p = op.add(r * ld + g * GROUP);
+                    let acc = if b == 0 { _mm512_setzero_ps() } else { _mm512_loadu_ps(p) };
+                    _mm512_storeu_ps(p, _mm512_fmadd_ps(bs[r][g], s, acc));
+                }
+            }
+        }
+    }
+}
