@@ -283,7 +283,7 @@ fn qkv_dest<'a, O: Element, C: Element>(
 ) -> QkvDest<'a, O, C> {
     let shape = kv.cache.shape();
     let rope = rope.map(|r| EpiRope::new(r, positions, token));
-    QkvDest::new(output, kv.cache.data_mut(), shape, kv.layer_idx, plan, q_dim, n, rope)
+    QkvDest::new(output, kv.cache.data_mut(), shape, kv.layer_idx, plan, q_dim, n, rope, token)
 }
 
 /// Runs a validated block-scaled call into the cache (nothing here can fail).
@@ -345,7 +345,7 @@ pub fn matmul_fp4_packed<O: Element>(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    run_fp4(a, weight, tensor_sf, &MatrixDest::new(output, n), exec, token, 128);
+    run_fp4(a, weight, tensor_sf, &MatrixDest::new(output, n, token), exec, token, 128);
     Ok(())
 }
 
@@ -582,7 +582,7 @@ pub fn matmul_plain_packed<T: Element, O: Element>(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    run_plain(x, m, weight, bias, &MatrixDest::new(output, n), exec, token, 128);
+    run_plain(x, m, weight, bias, &MatrixDest::new(output, n, token), exec, token, 128);
     Ok(())
 }
 

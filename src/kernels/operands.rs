@@ -52,6 +52,19 @@ pub(crate) trait Operands: Sync {
     /// The value to round for `(row, col)` from its accumulator, or `None` when the exact path
     /// must decide it.
     fn value(&self, row: usize, col: usize, acc: f32) -> Option<f32>;
+    /// The values to round for columns `c ..` of `row` from their accumulators `accs` into `out`
+    /// (as long), when every one of them takes the fast path (`value` is `Some` for each, and
+    /// equal to what is written); `false` when any needs the exact path (`out` then unspecified).
+    /// The epilogue's bulk path: families override it with loops that vectorise.
+    fn values(&self, row: usize, c: usize, accs: &[f32], out: &mut [f32]) -> bool {
+        for (j, (&a, o)) in accs.iter().zip(out.iter_mut()).enumerate() {
+            match self.value(row, c + j, a) {
+                Some(v) => *o = v,
+                None => return false,
+            }
+        }
+        true
+    }
     /// The exact value of `(row, col)`, rounded to odd in f64 (one more rounding to any of the
     /// crate's element types is the correctly rounded result).
     fn exact(&self, row: usize, col: usize) -> f64;
@@ -133,13 +146,15 @@ impl Operands for Fp4Operands<'_> {
         if rows.len() == 1 {
             // One row (decode): several groups per call, for independent accumulator chains.
             let mut out = [[0f32; GROUP]; ROW_GROUPS];
+            let fp4 = self.w.format.is_fp4();
+            let (r4, r8) = (fp4.then(|| self.a.fp4_rows(rows)), (!fp4).then(|| self.a.fp8_rows(rows)));
             while g0 + ROW_GROUPS <= g1 {
-                if self.w.format.is_fp4() {
+                if let Some(r) = &r4 {
                     let gs = std::array::from_fn(|i| self.w.fp4_group(g0 + i));
-                    crate::simd::fp4_row(token, &gs, &self.a.fp4_rows(rows), &mut out);
-                } else {
+                    crate::simd::fp4_row(token, &gs, r, &mut out);
+                } else if let Some(r) = &r8 {
                     let gs = std::array::from_fn(|i| self.w.fp8_group(g0 + i));
-                    crate::simd::fp8_row(token, &gs, &self.a.fp8_rows(rows), &mut out);
+                    crate::simd::fp8_row(token, &gs, r, &mut out);
                 }
                 buf[g0 * GROUP - c0..(g0 + ROW_GROUPS) * GROUP - c0].copy_from_slice(out.as_flattened());
                 g0 += ROW_GROUPS;
@@ -170,6 +185,32 @@ impl Operands for Fp4Operands<'_> {
         }
         let v = acc * self.tensor_sf;
         v.is_finite().then_some(v)
+    }
+
+    fn values(&self, row: usize, c: usize, accs: &[f32], out: &mut [f32]) -> bool {
+        let cols = c..c + accs.len();
+        // `value`'s conditions over the whole range: no NaN row or column, no possible
+        // underflow (the smallest weight scale of the range decides), every value finite.
+        if self.a.nan_row[row] || self.w.nan_col[cols.clone()].iter().fold(false, |x, &y| x | y) {
+            return false;
+        }
+        let bias = match self.w.format {
+            BlockFormat::Nvfp4 => None,
+            BlockFormat::Mxfp4 => Some(E8M0_ACT_BIAS),
+            BlockFormat::Mxfp8 => Some(E8M0_FP8_ACT_BIAS),
+        };
+        if let Some(bias) = bias {
+            let min = self.w.min_scale[cols].iter().fold(u8::MAX, |x, &y| x.min(y));
+            if min as i32 + self.a.min_scale[row] as i32 - bias <= 0 {
+                return false;
+            }
+        }
+        let mut finite = true;
+        for (o, &a) in out.iter_mut().zip(accs) {
+            *o = a * self.tensor_sf;
+            finite &= o.is_finite();
+        }
+        finite
     }
 
     fn exact(&self, row: usize, col: usize) -> f64 {
@@ -264,6 +305,25 @@ impl<T: Element> Operands for PlainOperands<'_, T> {
         v.is_finite().then_some(v)
     }
 
+    fn values(&self, _row: usize, c: usize, accs: &[f32], out: &mut [f32]) -> bool {
+        let mut finite = true;
+        match self.bias {
+            Some(b) => {
+                for ((o, &a), bv) in out.iter_mut().zip(accs).zip(&b[c..c + accs.len()]) {
+                    *o = a + bv.to_f32();
+                    finite &= o.is_finite();
+                }
+            }
+            None => {
+                for (o, &a) in out.iter_mut().zip(accs) {
+                    *o = a;
+                    finite &= a.is_finite();
+                }
+            }
+        }
+        finite
+    }
+
     fn exact(&self, row: usize, col: usize) -> f64 {
         let mut acc = ExactSum::new();
         for k in 0..self.w.k {
@@ -273,5 +333,66 @@ impl<T: Element> Operands for PlainOperands<'_, T> {
             acc.add_f32(b[col].to_f32());
         }
         acc.to_f64_round_odd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::formats::quantize::{amax, nvfp4_global_scale, quantize};
+    use crate::simd::fp4::group_scalar;
+    use crate::simd::{Isa, fp4_group_v, fp4_mr, fp4_row_v};
+
+    /// The AVX-512 FP4 kernels with and without the VBMI nibble decode (the public tests reach
+    /// only the one the CPU selects): bit for bit the scalar kernel, for the group kernel at
+    /// every row count and the one-row kernel, NVFP4 and MXFP4, with every E2M1 code present.
+    #[test]
+    fn avx512_fp4_kernels_with_and_without_vbmi_equal_the_scalar_kernel() {
+        let Ok(token) = IsaToken::new(Some(Isa::Avx512)) else {
+            eprintln!("AVX-512 VNNI not available: nothing to compare");
+            return;
+        };
+        let scalar = IsaToken::new(Some(Isa::Scalar)).unwrap();
+        let (n, k, m) = (ROW_GROUPS * GROUP, 224, 8);
+        let x = |i: usize, s: f32| ((i as f32) * s).sin() * (1.0 + (i % 7) as f32);
+        let wf: Vec<f32> = (0..n * k).map(|i| x(i, 0.37)).collect();
+        let af: Vec<f32> = (0..m * k).map(|i| x(i, 0.91)).collect();
+        for format in [BlockFormat::Nvfp4, BlockFormat::Mxfp4] {
+            let wq = quantize(format, &wf, n, k, nvfp4_global_scale(amax(&wf))).unwrap();
+            let aq = quantize(format, &af, m, k, nvfp4_global_scale(amax(&af))).unwrap();
+            let codes: std::collections::HashSet<u8> = wq.data().iter().flat_map(|b| [b & 15, b >> 4]).collect();
+            assert_eq!(codes.len(), 16, "every E2M1 code in the weights");
+            let (w, a) = (PackedWeights::new(wq.as_ref()), Fp4Acts::prepare(aq.as_ref()));
+            let rows: Vec<usize> = (0..m).collect();
+            for count in 1..=fp4_mr(token) {
+                let r = a.fp4_rows(&rows[m - count..]);
+                for g in 0..ROW_GROUPS {
+                    let grp = w.fp4_group(g);
+                    let mut want = [[0f32; GROUP]; MR];
+                    group_scalar(&grp, &r, &mut want);
+                    for vbmi in [false, true] {
+                        let mut got = [[0f32; GROUP]; MR];
+                        fp4_group_v(token, vbmi, &grp, &r, &mut got);
+                        for i in 0..count {
+                            let (g_bits, w_bits) = (got[i].map(f32::to_bits), want[i].map(f32::to_bits));
+                            assert_eq!(g_bits, w_bits, "{format:?} vbmi {vbmi} rows {count} group {g}");
+                        }
+                    }
+                }
+            }
+            let one = a.fp4_rows(&rows[3..4]);
+            let gs = std::array::from_fn(|g| w.fp4_group(g));
+            let mut want = [[0f32; GROUP]; ROW_GROUPS];
+            fp4_row_v(scalar, false, &gs, &one, &mut want);
+            for vbmi in [false, true] {
+                let mut got = [[0f32; GROUP]; ROW_GROUPS];
+                fp4_row_v(token, vbmi, &gs, &one, &mut got);
+                assert_eq!(
+                    got.map(|g| g.map(f32::to_bits)),
+                    want.map(|g| g.map(f32::to_bits)),
+                    "{format:?} row, vbmi {vbmi}"
+                );
+            }
+        }
     }
 }

@@ -272,8 +272,14 @@ impl Fp4Acts {
         for r in 0..m {
             let row = a.row(r);
             if format.is_fp4() {
-                for kk in 0..k {
-                    acts.a8[r * kp + kk] = E2M1_DOUBLED[fp4_code(row, kk) as usize];
+                // Two elements per byte (low nibble first), through the doubled-E2M1 table.
+                let dst = &mut acts.a8[r * kp..r * kp + k];
+                for (d, &byte) in dst.chunks_exact_mut(2).zip(row) {
+                    d[0] = E2M1_DOUBLED[(byte & 0xF) as usize];
+                    d[1] = E2M1_DOUBLED[(byte >> 4) as usize];
+                }
+                if k % 2 == 1 {
+                    dst[k - 1] = E2M1_DOUBLED[fp4_code(row, k - 1) as usize];
                 }
             } else {
                 for (d, &b) in acts.af[r * kp..r * kp + k].iter_mut().zip(&row[..k]) {

@@ -225,9 +225,30 @@ macro_rules! by_rows {
     };
 }
 
+/// Whether this CPU has AVX-512 VBMI (`vpermb`), which the AVX-512 FP4 kernels use for the
+/// nibble decode where present (Ice Lake, Sapphire Rapids, Zen 4 and later; Skylake-SP and Cascade
+/// Lake have AVX-512 VNNI without it). The same bits either way.
+#[cfg(target_arch = "x86_64")]
+fn has_vbmi() -> bool {
+    std::arch::is_x86_feature_detected!("avx512vbmi")
+}
+
 /// Runs the FP4 group kernel of `token`'s ISA on `rows.count()` (≤ [`fp4_mr`]) rows, writing
 /// `out[r][c]` for r < rows.count(), c < 16.
 pub(crate) fn fp4_group(token: IsaToken, g: &Fp4Group<'_>, rows: &Fp4Rows<'_>, out: &mut [[f32; GROUP]; MR]) {
+    fp4_group_v(token, true, g, rows, out)
+}
+
+/// [`fp4_group`], with the AVX-512 VBMI decode only when `vbmi` (and the CPU has it): the tests
+/// reach the other AVX-512 kernel on CPUs with VBMI this way.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))] // `vbmi` matters on x86 only
+pub(crate) fn fp4_group_v(
+    token: IsaToken,
+    vbmi: bool,
+    g: &Fp4Group<'_>,
+    rows: &Fp4Rows<'_>,
+    out: &mut [[f32; GROUP]; MR],
+) {
     g.check(rows);
     assert!(rows.count() <= fp4_mr(token));
     // One monomorphised kernel per row count keeps the accumulators in registers.
@@ -238,6 +259,13 @@ pub(crate) fn fp4_group(token: IsaToken, g: &Fp4Group<'_>, rows: &Fp4Rows<'_>, o
         Isa::Avx2 => unsafe {
             use x86::fp4::fp4_group_avx2 as k;
             by_rows!(k, 4, rows.count(), g, rows, out)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the token proves AVX-512 F, BW and VNNI were detected, `has_vbmi` VBMI;
+        // lengths as above.
+        Isa::Avx512 | Isa::Avx512Bf16 if vbmi && has_vbmi() => unsafe {
+            use x86::fp4::fp4_group_avx512vbmi as k;
+            by_rows!(k, 8, rows.count(), g, rows, out)
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the token proves AVX-512 F, BW and VNNI were detected; lengths as above.
@@ -434,6 +462,17 @@ pub(crate) fn fp4_row(
     rows: &Fp4Rows<'_>,
     out: &mut [[f32; GROUP]; ROW_GROUPS],
 ) {
+    fp4_row_v(token, true, gs, rows, out)
+}
+
+/// [`fp4_row`], with the AVX-512 VBMI decode only when `vbmi` (see [`fp4_group_v`]).
+pub(crate) fn fp4_row_v(
+    token: IsaToken,
+    vbmi: bool,
+    gs: &[Fp4Group<'_>; ROW_GROUPS],
+    rows: &Fp4Rows<'_>,
+    out: &mut [[f32; GROUP]; ROW_GROUPS],
+) {
     assert_eq!(rows.count(), 1);
     for g in gs {
         g.check(rows);
@@ -441,13 +480,16 @@ pub(crate) fn fp4_row(
     }
     match token.0 {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: the token proves AVX-512 F, BW and VNNI were detected; `check` proved every
-        // group's lengths, and the groups share pairs, kb and kind (asserted above).
+        // SAFETY: the token proves AVX-512 F, BW and VNNI were detected, `has_vbmi` VBMI; `check`
+        // proved every group's lengths, and the groups share pairs, kb and kind (asserted above).
+        Isa::Avx512 | Isa::Avx512Bf16 if vbmi && has_vbmi() => unsafe { x86::fp4::fp4_row_avx512vbmi(gs, rows, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above, without VBMI.
         Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::fp4::fp4_row_avx512(gs, rows, out) },
         _ => {
             let mut tile = [[0f32; GROUP]; MR];
             for (g, o) in gs.iter().zip(out.iter_mut()) {
-                fp4_group(token, g, rows, &mut tile);
+                fp4_group_v(token, vbmi, g, rows, &mut tile);
                 *o = tile[0];
             }
         }
