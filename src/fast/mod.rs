@@ -315,7 +315,9 @@ fn run_fp4<D: Dest>(
 ) {
     let acts = Fp4Acts::prepare(a);
     let src = Fp4Operands { w, a: &acts, tensor_sf };
-    let panels = Panels::new(w.rows(), Panels::target(head), |c| dest.may_cut(c));
+    // At least 128 columns (two heads of Qwen2.5-0.5B's 64): measured there on one thread,
+    // M = 1 17.4 → 16.2 µs and M = 512 5.77 → 5.24 ms (fewer tasks, each operand set built once).
+    let panels = Panels::new(w.rows(), Panels::target(head).max(128), |c| dest.may_cut(c));
     run(&src, dest, a.rows(), token, exec.parallel(), &panels);
 }
 

@@ -145,18 +145,20 @@ impl Operands for Fp4Operands<'_> {
         let (mut g0, g1) = (c0 / GROUP, c1 / GROUP);
         if rows.len() == 1 {
             // One row (decode): several groups per call, for independent accumulator chains.
-            let mut out = [[0f32; GROUP]; ROW_GROUPS];
             let fp4 = self.w.format.is_fp4();
             let (r4, r8) = (fp4.then(|| self.a.fp4_rows(rows)), (!fp4).then(|| self.a.fp8_rows(rows)));
             while g0 + ROW_GROUPS <= g1 {
+                // The kernel writes straight into the tile (no copy through a local array).
+                let at = g0 * GROUP - c0;
+                let (groups, _) = buf[at..at + ROW_GROUPS * GROUP].as_chunks_mut::<GROUP>();
+                let out: &mut [[f32; GROUP]; ROW_GROUPS] = groups.try_into().expect("ROW_GROUPS groups");
                 if let Some(r) = &r4 {
                     let gs = std::array::from_fn(|i| self.w.fp4_group(g0 + i));
-                    crate::simd::fp4_row(token, &gs, r, &mut out);
+                    crate::simd::fp4_row(token, &gs, r, out);
                 } else if let Some(r) = &r8 {
                     let gs = std::array::from_fn(|i| self.w.fp8_group(g0 + i));
-                    crate::simd::fp8_row(token, &gs, r, &mut out);
+                    crate::simd::fp8_row(token, &gs, r, out);
                 }
-                buf[g0 * GROUP - c0..(g0 + ROW_GROUPS) * GROUP - c0].copy_from_slice(out.as_flattened());
                 g0 += ROW_GROUPS;
             }
         }
