@@ -109,9 +109,9 @@ impl EpiRope {
                     table.resize(o + RopeRow::len(rd), 0.0);
                     let dst = &mut table[o..];
                     match rope.freqs_cis {
-                        Freqs::F32(f) => RopeRow::fill(&f[p * rd..(p + 1) * rd], dst, rope.interleaved),
-                        Freqs::Bf16(f) => RopeRow::fill(&f[p * rd..(p + 1) * rd], dst, rope.interleaved),
-                        Freqs::F16(f) => RopeRow::fill(&f[p * rd..(p + 1) * rd], dst, rope.interleaved),
+                        Freqs::F32(f) => RopeRow::fill_with(token, &f[p * rd..(p + 1) * rd], dst, rope.interleaved),
+                        Freqs::Bf16(f) => RopeRow::fill_with(token, &f[p * rd..(p + 1) * rd], dst, rope.interleaved),
+                        Freqs::F16(f) => RopeRow::fill_with(token, &f[p * rd..(p + 1) * rd], dst, rope.interleaved),
                     }
                     o
                 })

@@ -54,7 +54,7 @@ impl<F: Element> RopeSpec<'_, F> {
         let rd = self.rope_dim;
         bufs.0.resize(RopeRow::len(rd), 0.0);
         bufs.1.resize(rd, 0.0);
-        RopeRow::fill(&self.freqs[p * rd..(p + 1) * rd], &mut bufs.0, self.interleaved);
+        RopeRow::fill_with(token, &self.freqs[p * rd..(p + 1) * rd], &mut bufs.0, self.interleaved);
         let row = RopeRow::view(&bufs.0, rd, self.interleaved);
         if size_of::<T>() == 2 {
             // bf16/f16: one pass from q into out (measured: 0.57 vs 0.82 ms for 512 Llama tokens).

@@ -110,6 +110,28 @@ impl RopeRow<'_> {
         }
     }
 
+    /// [`fill`](Self::fill) through `token`'s ISA where it has a version (AVX-512: half-split rows
+    /// of whole 32-pair chunks, after widening the row into the part of `buf` the half-split
+    /// forms leave free); the same values.
+    pub fn fill_with<F: Element>(token: IsaToken, row: &[F], buf: &mut [f32], interleaved: bool) {
+        let (rd, h) = (row.len(), row.len() / 2);
+        #[cfg(target_arch = "x86_64")]
+        if matches!(token.0, Isa::Avx512 | Isa::Avx512Bf16) && !interleaved && h > 0 && h.is_multiple_of(32) {
+            let (forms, rest) = buf.split_at_mut(2 * rd);
+            let scratch = &mut rest[..rd];
+            widen(token, row, scratch);
+            let (c, forms) = forms.split_at_mut(h);
+            let (s, forms) = forms.split_at_mut(h);
+            let (cd, sd) = forms.split_at_mut(h);
+            // SAFETY: the token proves AVX-512 F was detected; c, s, cd and sd are h long, h is a
+            // multiple of 32 and `scratch` holds the 2h widened freqs.
+            unsafe { super::x86::rope::fill_half_avx512(scratch, c, s, cd, sd) };
+            return;
+        }
+        let _ = (token, rd, h);
+        Self::fill(row, buf, interleaved)
+    }
+
     /// The forms in `buf` as filled by [`fill`](Self::fill) for the same pairing.
     pub fn view(buf: &[f32], rd: usize, interleaved: bool) -> RopeRow<'_> {
         let h = rd / 2;
@@ -299,5 +321,46 @@ pub(crate) fn rotate_heads_from<T: Element>(
         widen(token, region, b);
         rotate(token, b, row, interleaved, r);
         narrow(token, b, region);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `fill_with` (SIMD where the ISA has it) writes exactly `fill`'s forms, NaN payloads and
+    /// infinities included, for f32 and bf16 rows of whole 32-pair chunks and of other sizes.
+    #[test]
+    fn fill_with_equals_fill_on_every_isa() {
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let value = |i: usize| match i % 37 {
+            5 => f32::from_bits(0x7FA0_0001), // a signalling NaN with a payload
+            11 => f32::NEG_INFINITY,
+            17 => f32::from_bits(0xFFC0_1234),
+            _ => (i as f32 * 0.7).sin() * 3.0,
+        };
+        for isa in Isa::available() {
+            let token = IsaToken::new(Some(isa)).unwrap();
+            for rd in [2usize, 32, 64, 96, 128, 192, 256] {
+                let f32_row: Vec<f32> = (0..rd).map(value).collect();
+                let bf16_row: Vec<half::bf16> = f32_row.iter().map(|&v| half::bf16::from_f32(v)).collect();
+                for interleaved in [false, true] {
+                    let mut want = vec![-1.0f32; RopeRow::len(rd)];
+                    let mut got = want.clone();
+                    let check = |want: &[f32], got: &[f32]| {
+                        let (w, g) = (RopeRow::view(want, rd, interleaved), RopeRow::view(got, rd, interleaved));
+                        for (x, y) in [(w.c, g.c), (w.s, g.s), (w.cd, g.cd), (w.sd, g.sd), (w.f, g.f), (w.fsw, g.fsw)] {
+                            assert_eq!(bits(x), bits(y), "{isa:?} rd {rd} interleaved {interleaved}");
+                        }
+                    };
+                    RopeRow::fill(&f32_row, &mut want, interleaved);
+                    RopeRow::fill_with(token, &f32_row, &mut got, interleaved);
+                    check(&want, &got);
+                    RopeRow::fill(&bf16_row, &mut want, interleaved);
+                    RopeRow::fill_with(token, &bf16_row, &mut got, interleaved);
+                    check(&want, &got);
+                }
+            }
+        }
     }
 }
