@@ -233,7 +233,7 @@ pub(crate) struct Fp4Acts {
     pub af: Pooled<f32>,
     corr: Pooled<i32>,
     pub sc: Pooled<u32>,
-    /// MXFP8: `sc` as f32 (the exponent offset `e − 119`), `[m][kb]`.
+    /// MXFP4, MXFP8: `sc` as f32 (the exponent offset), `[m][kb]`; empty for NVFP4.
     scf: Pooled<f32>,
     /// The original scale bytes, `[m][kb]`.
     raw: Pooled<u8>,
@@ -265,6 +265,8 @@ impl Fp4Acts {
             acts.a8.resize(m * kp, 0);
         } else {
             acts.af.resize(m * kp, 0.0);
+        }
+        if format != BlockFormat::Nvfp4 {
             acts.scf.resize(m * kb, 0.0);
         }
         // E4M3 through a table (measured: the per-element decode was 4 % of an M = 512 call).
@@ -304,6 +306,7 @@ impl Fp4Acts {
                     }
                     BlockFormat::Mxfp4 => {
                         acts.nan_row[r] |= byte == 0xFF;
+                        acts.scf[i] = (byte as i32 - E8M0_ACT_BIAS) as f32;
                         (byte as i32 - E8M0_ACT_BIAS) as u32
                     }
                     BlockFormat::Mxfp8 => {
@@ -326,6 +329,7 @@ impl Fp4Acts {
             a: std::array::from_fn(|i| &self.a8[pick(i) * kp..(pick(i) + 1) * kp]),
             corr: std::array::from_fn(|i| &self.corr[pick(i) * kb..(pick(i) + 1) * kb]),
             sc: std::array::from_fn(|i| &self.sc[pick(i) * kb..(pick(i) + 1) * kb]),
+            scf: std::array::from_fn(|i| self.scf.get(pick(i) * kb..(pick(i) + 1) * kb).unwrap_or(&[])),
             count: rows.len().min(MR),
         }
     }

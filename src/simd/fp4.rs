@@ -44,6 +44,8 @@ pub(crate) struct Fp4Rows<'a> {
     pub corr: [&'a [i32]; MR],
     /// Per block scale: f32 bits (E5m3) or exponent offset (E8m0).
     pub sc: [&'a [u32]; MR],
+    /// E8m0: the exponent offsets as f32 (what `vscalefps` takes); empty for E5m3.
+    pub scf: [&'a [f32]; MR],
     pub count: usize,
 }
 
@@ -62,6 +64,7 @@ impl Fp4Group<'_> {
         for r in 0..MR {
             assert!(rows.a[r].len() >= self.kb * self.pairs * 8);
             assert!(rows.corr[r].len() >= self.kb && rows.sc[r].len() >= self.kb);
+            assert!(self.kind == ScaleKind::E5m3 || rows.scf[r].len() >= self.kb);
         }
     }
 }

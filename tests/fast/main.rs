@@ -297,20 +297,24 @@ fn nan_scales_match_the_oracle() {
     }
 }
 
-/// MXFP8 tiles of 16 rows or more run the tiled kernel (weights decoded once per tile, slices of
-/// 8 blocks, group pairs plus a lone last group, accumulators continued through memory, scales
-/// by `vscalefps`): bit-identical to the scalar kernel for tiles of 2 to 8 full chunks and a short
-/// last chunk, K of 3, 9 and 17 blocks (slices cut short), heads of 1, 3 and 8 groups; weight
-/// scales of 2^-127 (the subnormal weight-scale factor, with activation scales that keep the
-/// product normal), products past f32 (exact path), and NaN elements.
+/// E8M0 scale extremes through the `vscalefps` scale products (MXFP4 and MXFP8 on AVX-512), and
+/// MXFP8 tiles of 16 rows or more on the tiled kernel (weights decoded once per tile, slices of 8
+/// blocks, group pairs plus a lone last group, accumulators continued through memory):
+/// bit-identical to the scalar kernel for tiles of 2 to 8 full chunks and a short last chunk, K of
+/// 3, 9 and 17 blocks (slices cut short), heads of 1, 3 and 8 groups; weight scales of 2^-127
+/// (the subnormal weight-scale factor, with activation scales that keep the product normal),
+/// products past f32 (exact path), and (MXFP8) NaN elements.
 #[test]
-fn mxfp8_tiled_kernel_is_bit_identical() {
+fn mx_scale_extremes_and_mxfp8_tiles_are_bit_identical() {
     let isas = isas();
     let mut rng = Rng::new(56);
     let cases = [(vec![16usize], 96usize, 16usize, 3usize), (vec![9, 0, 8], 288, 48, 2), (vec![70, 3], 544, 128, 1)];
-    for (case, (lens, k, hd, hq)) in cases.into_iter().enumerate() {
+    for (format, (case, (lens, k, hd, hq))) in [BlockFormat::Mxfp4, BlockFormat::Mxfp8]
+        .into_iter()
+        .flat_map(|f| cases.iter().cloned().enumerate().map(move |c| (f, c)))
+    {
         let c = Config {
-            format: BlockFormat::Mxfp8,
+            format,
             k,
             cache_lengths: lens.iter().map(|_| rng.range(0, 40) as u32).collect(),
             lens,
@@ -333,7 +337,7 @@ fn mxfp8_tiled_kernel_is_bit_identical() {
                 scales[lay.offset(r, b)] = 187 + rng.below(20) as u8;
             }
         }
-        s.a = QuantizedMatrix::from_parts(BlockFormat::Mxfp8, m, k, data, scales, ts).unwrap();
+        s.a = QuantizedMatrix::from_parts(format, m, k, data, scales, ts).unwrap();
         let lay = s.w.as_ref().scale_layout();
         let (mut data, mut scales, ts) = s.w.clone().into_parts();
         for r in 0..n {
@@ -346,17 +350,19 @@ fn mxfp8_tiled_kernel_is_bit_identical() {
                 }
             }
         }
-        data[(n / 2) * k + k / 3] = 0x7F; // a NaN element: that column goes exact
-        s.w = QuantizedMatrix::from_parts(BlockFormat::Mxfp8, n, k, data, scales, ts).unwrap();
+        if format == BlockFormat::Mxfp8 {
+            data[(n / 2) * k + k / 3] = 0x7F; // a NaN element: that column goes exact
+        }
+        s.w = QuantizedMatrix::from_parts(format, n, k, data, scales, ts).unwrap();
         let base: (Vec<f32>, Vec<f32>) = run(&s, 1.0, Some(scalar()), 6);
         let exact: (Vec<f32>, Vec<f32>) = run(&s, 1.0, None, 6);
         check_bound(&s, 1.0, &base, &exact);
-        assert!(base.0.iter().any(|v| v.is_finite() && *v != 0.0), "case {case}: some ordinary values");
+        assert!(base.0.iter().any(|v| v.is_finite() && *v != 0.0), "{format:?} case {case}: some ordinary values");
         for &isa in &isas {
             for par in [Par::Sequential, Par::Rayon] {
                 let got: (Vec<f32>, Vec<f32>) = run(&s, 1.0, Some(Exec { par, isa: Some(isa) }), 6);
-                assert_eq!(bits(&got.0), bits(&base.0), "{isa:?} {par:?} output, case {case}");
-                assert_eq!(bits(&got.1), bits(&base.1), "{isa:?} {par:?} cache, case {case}");
+                assert_eq!(bits(&got.0), bits(&base.0), "{format:?} {isa:?} {par:?} output, case {case}");
+                assert_eq!(bits(&got.1), bits(&base.1), "{format:?} {isa:?} {par:?} cache, case {case}");
             }
         }
     }

@@ -25,6 +25,18 @@ unsafe fn read_u32(p: &[i8], i: usize) -> i32 {
     unsafe { p.as_ptr().add(i).cast::<i32>().read_unaligned() }
 }
 
+/// `s[i]` without a bounds check: the per-block correction and scale of a row, read per row and
+/// block (checked, they cost two compare-and-branch pairs each, with the slice lengths spilled).
+///
+/// # Safety
+/// `i < s.len()` (`Fp4Group::check` proves it for `corr` and `sc` with `i < kb`).
+#[inline(always)]
+unsafe fn get<T: Copy>(s: &[T], i: usize) -> T {
+    debug_assert!(i < s.len());
+    // SAFETY: the caller guarantees i < s.len().
+    unsafe { *s.get_unchecked(i) }
+}
+
 /// # Safety
 /// AVX2 and FMA must be available; `g.check(rows)` must have passed.
 #[target_feature(enable = "avx2,fma")]
@@ -64,14 +76,16 @@ pub(crate) unsafe fn fp4_group_avx2<const R: usize>(
             // SAFETY: `check` proved ws.len() ≥ kb_total · 16.
             let sb = unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(g.ws.as_ptr().add(kb * GROUP + half * 8).cast())) };
             for r in 0..R {
-                let isum = _mm256_sub_epi32(_mm256_madd_epi16(s16[r], ones), _mm256_set1_epi32(rows.corr[r][kb]));
+                // SAFETY: `check` proved corr[r] and sc[r] hold kb_total > kb values.
+                let (corr, sc) = unsafe { (get(rows.corr[r], kb), get(rows.sc[r], kb)) };
+                let isum = _mm256_sub_epi32(_mm256_madd_epi16(s16[r], ones), _mm256_set1_epi32(corr));
                 let s = match g.kind {
                     ScaleKind::E5m3 => _mm256_mul_ps(
                         _mm256_castsi256_ps(_mm256_slli_epi32::<20>(sb)),
-                        _mm256_set1_ps(f32::from_bits(rows.sc[r][kb])),
+                        _mm256_set1_ps(f32::from_bits(sc)),
                     ),
                     ScaleKind::E8m0 => {
-                        let e = _mm256_add_epi32(sb, _mm256_set1_epi32(rows.sc[r][kb] as i32));
+                        let e = _mm256_add_epi32(sb, _mm256_set1_epi32(sc as i32));
                         let e = _mm256_min_epi32(_mm256_max_epi32(e, _mm256_setzero_si256()), _mm256_set1_epi32(255));
                         _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e))
                     }
@@ -146,7 +160,9 @@ macro_rules! avx512_fp4_kernels {
             let mut acc = [_mm512_setzero_ps(); R];
             for kb in 0..g.kb {
                 // Each chain starts at −12·Σa (the offset correction), saving a subtraction per row.
-                let mut i32acc: [__m512i; R] = std::array::from_fn(|r| _mm512_set1_epi32(-rows.corr[r][kb]));
+                // SAFETY: `check` proved corr[r] holds kb_total > kb values.
+                let mut i32acc: [__m512i; R] =
+                    std::array::from_fn(|r| _mm512_set1_epi32(-unsafe { get(rows.corr[r], kb) }));
                 for p in 0..g.pairs {
                     let off = (kb * g.pairs + p) * 64;
                     prefetch(g.w, off + PREFETCH);
@@ -163,18 +179,31 @@ macro_rules! avx512_fp4_kernels {
                 }
                 // SAFETY: `check` proved ws.len() ≥ kb_total · 16.
                 let sb = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(g.ws.as_ptr().add(kb * GROUP).cast())) };
+                // E8m0: the weight scales 2^(sb − 127) once per block (2^-127 exactly for sb = 0),
+                // then per row `s = scalef(2^(sb − 127), offset)`: the scalar kernel's
+                // `clamp(sb + offset, 0, 255) << 23` wherever that product is used (a sum in
+                // 1 ..= 254 is the same power of two, ≥ 255 is +∞ in both; a sum ≤ 0 or a NaN
+                // scale sends the element to the exact path: `may_underflow`, `nan_col`,
+                // `nan_row`). One operation per row instead of four.
+                let ws = match g.kind {
+                    ScaleKind::E5m3 => _mm512_castsi512_ps(_mm512_slli_epi32::<20>(sb)),
+                    ScaleKind::E8m0 => {
+                        let e = _mm512_sub_ps(_mm512_cvtepi32_ps(sb), _mm512_set1_ps(127.0));
+                        _mm512_scalef_ps(_mm512_set1_ps(1.0), e)
+                    }
+                };
                 for r in 0..R {
                     let isum = i32acc[r];
                     let s = match g.kind {
-                        ScaleKind::E5m3 => _mm512_mul_ps(
-                            _mm512_castsi512_ps(_mm512_slli_epi32::<20>(sb)),
-                            _mm512_set1_ps(f32::from_bits(rows.sc[r][kb])),
-                        ),
+                        ScaleKind::E5m3 => {
+                            // SAFETY: `check` proved sc[r] holds kb_total > kb values.
+                            let sc = unsafe { get(rows.sc[r], kb) };
+                            _mm512_mul_ps(ws, _mm512_set1_ps(f32::from_bits(sc)))
+                        }
                         ScaleKind::E8m0 => {
-                            let e = _mm512_add_epi32(sb, _mm512_set1_epi32(rows.sc[r][kb] as i32));
-                            let e =
-                                _mm512_min_epi32(_mm512_max_epi32(e, _mm512_setzero_si512()), _mm512_set1_epi32(255));
-                            _mm512_castsi512_ps(_mm512_slli_epi32::<23>(e))
+                            // SAFETY: `check` proved scf[r] holds kb_total > kb values (E8m0).
+                            let sc = unsafe { get(rows.scf[r], kb) };
+                            _mm512_scalef_ps(ws, _mm512_set1_ps(sc))
                         }
                     };
                     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[r]);
@@ -207,7 +236,9 @@ macro_rules! avx512_fp4_kernels {
             let a = rows.a[0];
             let mut acc = [_mm512_setzero_ps(); G];
             for kb in 0..kbs {
-                let mut i32acc = [_mm512_set1_epi32(-rows.corr[0][kb]); G];
+                // SAFETY: `check` proved corr[0] and sc[0] hold kb_total > kb values.
+                let (corr, sc) = unsafe { (get(rows.corr[0], kb), get(rows.sc[0], kb)) };
+                let mut i32acc = [_mm512_set1_epi32(-corr); G];
                 for p in 0..pairs {
                     let off = (kb * pairs + p) * 64;
                     // SAFETY: `check` proved a.len() ≥ kb_total · v ≥ kb · v + p · 8 + 8.
@@ -221,7 +252,6 @@ macro_rules! avx512_fp4_kernels {
                         *ia = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(*ia, wl, a0), wh, a1);
                     }
                 }
-                let sc = rows.sc[0][kb];
                 for (g, (ia, ac)) in gs.iter().zip(i32acc.iter().zip(acc.iter_mut())) {
                     // SAFETY: `check` proved g.ws.len() ≥ kb_total · 16.
                     let sb = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(g.ws.as_ptr().add(kb * GROUP).cast())) };
