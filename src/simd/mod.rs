@@ -19,7 +19,16 @@
 //! paths (the oracle judges the scalar kernel within an error bound).
 //!
 //! **MXFP8**: the same structure with f32 block sums, in the canonical order of [`fp8`] (E4M3
-//! weights widened exactly through IEEE half bits, a chain of FMAs per block in k order).
+//! weights widened exactly through IEEE half bits, a chain of FMAs per block in k order). On
+//! AVX-512, tiles of two or more row chunks go through [`fp8_tiled`]: each weight slice is
+//! decoded once into an f32 buffer that every chunk reads from L1, the accumulators continue
+//! through memory between blocks (the same chain, so the same bits).
+//!
+//! **Scale products.** The AVX-512 kernels form E8M0 products `2^(sb − 127) · 2^offset` with
+//! `vscalefps` where the other kernels clamp the exponent sum into the f32 field; the two agree
+//! wherever the product is used (a sum in 1 ..= 254 is the same power of two, ≥ 255 is +∞ in
+//! both) and differ only where the element takes the exact path anyway (a sum ≤ 0: see
+//! `may_underflow`; a NaN scale).
 //!
 //! **Plain** (bf16, f16, f32): register-blocked micro-kernels over packed 16-column groups, in the
 //! canonical order of [`plain`] (a chain of FMAs, odd element of each k-pair first). The FMA
