@@ -81,12 +81,18 @@ impl Fp4Operands<'_> {
     /// Whether an E8M0 scale product of (row, col) could leave f32's normal range at the low end
     /// (the kernels flush it to 0): the smallest exponent sum reaches the bottom of the field.
     fn may_underflow(&self, row: usize, col: usize) -> bool {
+        self.may_underflow_from(row, self.w.min_scale[col])
+    }
+
+    /// [`may_underflow`](Self::may_underflow) for any column whose smallest weight scale is
+    /// `min_w` (the epilogue's bulk path passes the smallest of a range).
+    fn may_underflow_from(&self, row: usize, min_w: u8) -> bool {
         let bias = match self.w.format {
             BlockFormat::Nvfp4 => return false,
             BlockFormat::Mxfp4 => E8M0_ACT_BIAS,
             BlockFormat::Mxfp8 => E8M0_FP8_ACT_BIAS,
         };
-        self.w.min_scale[col] as i32 + self.a.min_scale[row] as i32 - bias <= 0
+        min_w as i32 + self.a.min_scale[row] as i32 - bias <= 0
     }
 }
 
@@ -196,14 +202,9 @@ impl Operands for Fp4Operands<'_> {
         if self.a.nan_row[row] || self.w.nan_col[cols.clone()].iter().fold(false, |x, &y| x | y) {
             return false;
         }
-        let bias = match self.w.format {
-            BlockFormat::Nvfp4 => None,
-            BlockFormat::Mxfp4 => Some(E8M0_ACT_BIAS),
-            BlockFormat::Mxfp8 => Some(E8M0_FP8_ACT_BIAS),
-        };
-        if let Some(bias) = bias {
+        if self.w.format != BlockFormat::Nvfp4 {
             let min = self.w.min_scale[cols].iter().fold(u8::MAX, |x, &y| x.min(y));
-            if min as i32 + self.a.min_scale[row] as i32 - bias <= 0 {
+            if self.may_underflow_from(row, min) {
                 return false;
             }
         }

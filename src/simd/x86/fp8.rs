@@ -16,6 +16,24 @@ unsafe fn at(a: &[f32], i: usize) -> f32 {
     unsafe { *a.get_unchecked(i) }
 }
 
+/// Weights `w · 2⁻⁸` of k-pair `kk` of a group (32 bytes: k then k + 1, 16 columns each) as two
+/// f32 vectors: the bytes as IEEE half bits `(b << 9) >> 2 | (b << 8) & 0x8000`, then `vcvtph2ps`.
+/// The one E4M3 decode of the AVX-512 kernels.
+///
+/// # Safety
+/// AVX-512 F and BW must be available; `(kk + 2) · 16 ≤ g.w.len()`.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn decode_pair(g: &Fp8Group<'_>, kk: usize) -> (__m512, __m512) {
+    debug_assert!((kk + 2) * GROUP <= g.w.len());
+    // SAFETY: the caller guarantees 32 bytes at kk · 16.
+    let x = unsafe { _mm512_cvtepu8_epi16(_mm256_loadu_si256(g.w.as_ptr().add(kk * GROUP).cast())) };
+    let mag = _mm512_srli_epi16::<2>(_mm512_slli_epi16::<9>(x));
+    // sign ? (x << 8) : mag, bit by bit (0xD8: C ? B : A).
+    let h = _mm512_ternarylogic_epi32::<0xD8>(mag, _mm512_slli_epi16::<8>(x), _mm512_set1_epi16(0x8000u16 as i16));
+    (_mm512_cvtph_ps(_mm512_castsi512_si256(h)), _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(h)))
+}
+
 /// The E8M0 block-scale products `s · 2⁸` of 8 or 16 columns (scale bytes widened to i32 in
 /// `sb`) for a row's exponent offset `sc`: `clamp(sb + sc, 0, 255) << 23` as f32 bits.
 macro_rules! scale {
@@ -34,7 +52,6 @@ pub(crate) unsafe fn fp8_group_avx512<const R: usize>(
     out: &mut [[f32; GROUP]; MR],
 ) {
     debug_assert_eq!(rows.count, R);
-    let sign = _mm512_set1_epi16(0x8000u16 as i16);
     let v = g.v;
     let mut acc = [_mm512_setzero_ps(); R];
     for b in 0..g.kb {
@@ -42,12 +59,7 @@ pub(crate) unsafe fn fp8_group_avx512<const R: usize>(
         // Two k per step: 32 bytes → 32 halves in one zmm.
         for kk in (b * v..(b + 1) * v).step_by(2) {
             // SAFETY: `check` proved w.len() ≥ kb · V · 16 ≥ (kk + 2) · 16.
-            let x = unsafe { _mm512_cvtepu8_epi16(_mm256_loadu_si256(g.w.as_ptr().add(kk * GROUP).cast())) };
-            let mag = _mm512_srli_epi16::<2>(_mm512_slli_epi16::<9>(x));
-            // sign ? (x << 8) : mag, bit by bit (0xD8: C ? B : A).
-            let h = _mm512_ternarylogic_epi32::<0xD8>(mag, _mm512_slli_epi16::<8>(x), sign);
-            let w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
-            let w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(h));
+            let (w0, w1) = unsafe { decode_pair(g, kk) };
             for r in 0..R {
                 // SAFETY: `check` proved a.len() ≥ kb · V > kk + 1.
                 let (a0, a1) = unsafe { (at(rows.a[r], kk), at(rows.a[r], kk + 1)) };
@@ -150,7 +162,6 @@ pub(crate) unsafe fn fp8_row_avx512(
     out: &mut [[f32; GROUP]; ROW_GROUPS],
 ) {
     const G: usize = ROW_GROUPS;
-    let sign = _mm512_set1_epi16(0x8000u16 as i16);
     let (v, kbs) = (gs[0].v, gs[0].kb);
     let a = rows.a[0];
     let mut acc = [_mm512_setzero_ps(); G];
@@ -161,11 +172,7 @@ pub(crate) unsafe fn fp8_row_avx512(
             let (a0, a1) = unsafe { (_mm512_set1_ps(at(a, kk)), _mm512_set1_ps(at(a, kk + 1))) };
             for (g, s) in gs.iter().zip(bs.iter_mut()) {
                 // SAFETY: `check` proved g.w.len() ≥ kb · V · 16 ≥ (kk + 2) · 16.
-                let x = unsafe { _mm512_cvtepu8_epi16(_mm256_loadu_si256(g.w.as_ptr().add(kk * GROUP).cast())) };
-                let mag = _mm512_srli_epi16::<2>(_mm512_slli_epi16::<9>(x));
-                let h = _mm512_ternarylogic_epi32::<0xD8>(mag, _mm512_slli_epi16::<8>(x), sign);
-                let w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
-                let w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(h));
+                let (w0, w1) = unsafe { decode_pair(g, kk) };
                 *s = _mm512_fmadd_ps(a1, w1, _mm512_fmadd_ps(a0, w0, *s));
             }
         }
@@ -201,7 +208,6 @@ pub(crate) unsafe fn fp8_row_avx512(
 /// and `dst.len() ≥ (b1 − b0) · V · 16 · gs.len()`.
 #[target_feature(enable = "avx512f,avx512bw")]
 pub(crate) unsafe fn fp8_decode_avx512(gs: &[Fp8Group<'_>], b0: usize, b1: usize, dst: &mut [f32]) {
-    let sign = _mm512_set1_epi16(0x8000u16 as i16);
     let (v, gn) = (gs[0].v, gs.len());
     let d = dst.as_mut_ptr();
     for (gi, g) in gs.iter().enumerate() {
@@ -209,12 +215,10 @@ pub(crate) unsafe fn fp8_decode_avx512(gs: &[Fp8Group<'_>], b0: usize, b1: usize
             // SAFETY: the weight bytes of k-pair kk are in w (`check`: w.len() ≥ kb · V · 16 and
             // kk + 2 ≤ b1 · V); rows kk − b0·V and kk + 1 − b0·V of dst exist (dst.len() above).
             unsafe {
-                let x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(g.w.as_ptr().add(kk * GROUP).cast()));
-                let mag = _mm512_srli_epi16::<2>(_mm512_slli_epi16::<9>(x));
-                let h = _mm512_ternarylogic_epi32::<0xD8>(mag, _mm512_slli_epi16::<8>(x), sign);
+                let (w0, w1) = decode_pair(g, kk);
                 let row = d.add(((kk - b0 * v) * gn + gi) * GROUP);
-                _mm512_storeu_ps(row, _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
-                _mm512_storeu_ps(row.add(gn * GROUP), _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(h)));
+                _mm512_storeu_ps(row, w0);
+                _mm512_storeu_ps(row.add(gn * GROUP), w1);
             }
         }
         // The next slice's bytes into L2 while the row chunks run on this one (the loads above
