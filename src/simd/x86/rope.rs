@@ -352,8 +352,24 @@ unsafe fn join_bf16(p: *mut u8, e: __m512, o: __m512) {
     let lo = _mm512_ternarylogic_epi32::<0xE4>(_mm512_slli_epi32::<16>(o), e, high);
     let t = _mm512_ternarylogic_epi32::<0xF8>(lo, hi, one); // lo | (hi & 1)
     let up = _mm512_cmpgt_epu16_mask(t, _mm512_set1_epi16(0x8000u16 as i16));
+    // hi + 1 where `up`, by one masked `vpaddw`: `_mm512_mask_add_epi16(hi, up, hi, one)` compiles
+    // to `vpmovm2w` + `vpsubw` (LLVM's canonical select of an increment), one operation more on
+    // the two vector ports this loop is bound by (measured: the RoPE of 64 Llama-shaped bf16
+    // tokens about 8 % faster, one core, Intel Xeon).
+    let mut y = hi;
+    // SAFETY: a register-only instruction of AVX-512 BW (enabled on this function); it reads and
+    // writes no memory, the stack or the flags.
+    unsafe {
+        std::arch::asm!(
+            "vpaddw {y}{{{k}}}, {y}, {one}",
+            y = inout(zmm_reg) y,
+            k = in(kreg) up,
+            one = in(zmm_reg) one,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
     // SAFETY: the caller guarantees 64 bytes at p.
-    unsafe { _mm512_storeu_si512(p.cast(), _mm512_mask_add_epi16(hi, up, hi, one)) }
+    unsafe { _mm512_storeu_si512(p.cast(), y) }
 }
 
 /// Rotates the rotary region of `heads` heads of `d` elements of kind `K` from `src` into `x`
