@@ -103,7 +103,13 @@ pub(crate) fn run<S: Operands, D: Dest>(src: &S, dest: &D, m: usize, token: IsaT
     };
     let tasks = row_tiles * np;
     if parallel && tasks > 1 {
-        (0..tasks).into_par_iter().for_each(task);
+        // Jobs of at most 1/8 of a thread's share: rayon's default splitting leaves 2 jobs per
+        // thread, each run to its end once started, so tasks of unequal cost (the K/V panels of
+        // padded BSHD rows are empty, a shared vCPU pauses) could leave one thread idle while the
+        // other finished a job of a quarter of the tasks (2 threads). Finer jobs cost one `join`
+        // each (tens of ns; a task takes microseconds).
+        let per_job = (tasks / (8 * rayon::current_num_threads())).max(1);
+        (0..tasks).into_par_iter().with_max_len(per_job).for_each(task);
     } else {
         (0..tasks).for_each(task);
     }
