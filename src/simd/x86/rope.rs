@@ -372,6 +372,60 @@ unsafe fn join_bf16(p: *mut u8, e: __m512, o: __m512) {
     unsafe { _mm512_storeu_si512(p.cast(), y) }
 }
 
+/// [`heads_avx512`]'s commonest cases on their own: half-split pairs, `F32` math (no rounding
+/// between operations), a rotary half of whole vectors (32 pairs for bf16, 16 for f16 and f32).
+/// The general kernel decides its pairing and rounding at run time and keeps a dozen values per
+/// head on the stack; with Qwen's 64-dim heads (one step per head) that bookkeeping cost about as
+/// much as the rotation (measured: 512 Qwen-shaped bf16 tokens 10 % faster, one core, Xeon). The
+/// same operations as the general kernel, so the same bits.
+///
+/// # Safety
+/// AVX-512 F and BW must be available; `src` and `x` each hold `heads · d` elements of kind `K`
+/// and either are the same pointer or do not overlap; `2 · hh ≤ d`, `hh` a multiple of 32 (bf16)
+/// or 16; `row` holds the half-split forms of `hh` pairs (`c`, `s`, `cd`, `sd`).
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn heads_half_avx512<const K: u8>(
+    src: *const u8,
+    x: *mut u8,
+    heads: usize,
+    d: usize,
+    hh: usize,
+    row: &RopeRow<'_>,
+) {
+    let size = if K == F32 { 4 } else { 2 };
+    let step = if K == BF16 { 32 } else { 16 };
+    debug_assert!(hh.is_multiple_of(step) && 2 * hh <= d);
+    debug_assert!(row.c.len() == hh && row.s.len() == hh && row.cd.len() == hh && row.sd.len() == hh);
+    let (c, s, cd, sd) = (row.c.as_ptr(), row.s.as_ptr(), row.cd.as_ptr(), row.sd.as_ptr());
+    for h in 0..heads {
+        let (from, base) = (src.wrapping_add(h * d * size), x.wrapping_add(h * d * size));
+        let mut i = 0;
+        while i < hh {
+            // SAFETY: elements i .. i + step of both halves of head h (i + step ≤ hh, hh + hh ≤
+            // d) and pairs i .. i + step of the forms (hh long each).
+            unsafe {
+                if K == BF16 {
+                    let (x0e, x0o) = split_bf16(from.add(i * 2), Round::None);
+                    let (x1e, x1o) = split_bf16(from.add((hh + i) * 2), Round::None);
+                    let (ce, co) = (_mm512_loadu_ps(cd.add(i)), _mm512_loadu_ps(cd.add(i + 16)));
+                    let (se, so) = (_mm512_loadu_ps(sd.add(i)), _mm512_loadu_ps(sd.add(i + 16)));
+                    let (y0e, y1e) = rot512(x0e, x1e, ce, se, Round::None);
+                    let (y0o, y1o) = rot512(x0o, x1o, co, so, Round::None);
+                    join_bf16(base.add(i * 2), y0e, y0o);
+                    join_bf16(base.add((hh + i) * 2), y1e, y1o);
+                } else {
+                    let x0 = load512::<K>(from.add(i * size));
+                    let x1 = load512::<K>(from.add((hh + i) * size));
+                    let (y0, y1) = rot512(x0, x1, _mm512_loadu_ps(c.add(i)), _mm512_loadu_ps(s.add(i)), Round::None);
+                    store512::<K>(base.add(i * size), y0);
+                    store512::<K>(base.add((hh + i) * size), y1);
+                }
+            }
+            i += step;
+        }
+    }
+}
+
 /// Rotates the rotary region of `heads` heads of `d` elements of kind `K` from `src` into `x`
 /// (`src == x`: in place; the other dims of `x` are not touched). Returns the number of pairs per
 /// head left to the caller (a tail shorter than a vector).
@@ -395,6 +449,11 @@ pub(crate) unsafe fn heads_avx512<const K: u8>(
     let size = if K == F32 { 4 } else { 2 };
     let at = if interleaved { d - rd } else { 0 };
     let hh = rd / 2;
+    if !interleaved && r == Round::None && hh > 0 && hh.is_multiple_of(if K == BF16 { 32 } else { 16 }) {
+        // SAFETY: this function's contract (the half-split forms of hh pairs).
+        unsafe { heads_half_avx512::<K>(src, x, heads, d, hh, row) };
+        return hh;
+    }
     let sign = _mm512_castsi512_ps(_mm512_set1_epi64(0x8000_0000));
     let done = if interleaved { rd / 16 * 16 } else { hh / 16 * 16 };
     // bf16: 32 elements per step split into even / odd lanes by a shift and a mask, and stored by
