@@ -372,19 +372,26 @@ unsafe fn join_bf16(p: *mut u8, e: __m512, o: __m512) {
     unsafe { _mm512_storeu_si512(p.cast(), y) }
 }
 
+/// Whether [`heads_half_avx512`] handles a call: half-split, `F32` math, a rotary half `hh` of
+/// whole vectors of `kind` (32 pairs for bf16, 16 otherwise).
+pub(crate) fn half_fast_path(kind: u8, interleaved: bool, r: Round, hh: usize) -> bool {
+    !interleaved && r == Round::None && hh > 0 && hh.is_multiple_of(if kind == BF16 { 32 } else { 16 })
+}
+
 /// [`heads_avx512`]'s commonest cases on their own: half-split pairs, `F32` math (no rounding
 /// between operations), a rotary half of whole vectors (32 pairs for bf16, 16 for f16 and f32).
 /// The general kernel decides its pairing and rounding at run time and keeps a dozen values per
 /// head on the stack; with Qwen's 64-dim heads (one step per head) that bookkeeping cost about as
 /// much as the rotation (measured: 512 Qwen-shaped bf16 tokens 10 % faster, one core, Xeon). The
-/// same operations as the general kernel, so the same bits.
+/// same operations as the general kernel, so the same bits. [`half_fast_path`] says when it applies
+/// (the dispatch calls it directly, before the general kernel's prologue).
 ///
 /// # Safety
 /// AVX-512 F and BW must be available; `src` and `x` each hold `heads · d` elements of kind `K`
 /// and either are the same pointer or do not overlap; `2 · hh ≤ d`, `hh` a multiple of 32 (bf16)
 /// or 16; `row` holds the half-split forms of `hh` pairs (`c`, `s`, `cd`, `sd`).
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn heads_half_avx512<const K: u8>(
+pub(crate) unsafe fn heads_half_avx512<const K: u8>(
     src: *const u8,
     x: *mut u8,
     heads: usize,
@@ -449,11 +456,6 @@ pub(crate) unsafe fn heads_avx512<const K: u8>(
     let size = if K == F32 { 4 } else { 2 };
     let at = if interleaved { d - rd } else { 0 };
     let hh = rd / 2;
-    if !interleaved && r == Round::None && hh > 0 && hh.is_multiple_of(if K == BF16 { 32 } else { 16 }) {
-        // SAFETY: this function's contract (the half-split forms of hh pairs).
-        unsafe { heads_half_avx512::<K>(src, x, heads, d, hh, row) };
-        return hh;
-    }
     let sign = _mm512_castsi512_ps(_mm512_set1_epi64(0x8000_0000));
     let done = if interleaved { rd / 16 * 16 } else { hh / 16 * 16 };
     // bf16: 32 elements per step split into even / odd lanes by a shift and a mask, and stored by
