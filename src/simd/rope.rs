@@ -301,15 +301,15 @@ pub(crate) fn rotate_heads_from<T: Element>(
         }
         // SAFETY: the token proves AVX-512 F and BW (AVX2, FMA and F16C for `Avx2`); x (and
         // src, a distinct borrow when given, so not overlapping) holds heads · d elements of T,
-        // whose kind (and so size) the match selects; the asserts above prove the lengths of
+        // whose kind (and so size) `kind` names; the asserts above prove the lengths of
         // `row`.
         let done = unsafe {
-            match (token.0 == Isa::Avx2, T::DTYPE) {
-                (false, DType::BF16) => heads_avx512::<BF16>(from, p, heads, d, rd, row, interleaved, r),
-                (false, DType::F16) => heads_avx512::<F16>(from, p, heads, d, rd, row, interleaved, r),
+            match (token.0 == Isa::Avx2, kind) {
+                (false, BF16) => heads_avx512::<BF16>(from, p, heads, d, rd, row, interleaved, r),
+                (false, F16) => heads_avx512::<F16>(from, p, heads, d, rd, row, interleaved, r),
                 (false, _) => heads_avx512::<F32>(from, p, heads, d, rd, row, interleaved, r),
-                (true, DType::BF16) => heads_avx2::<BF16>(from, p, heads, d, rd, row, interleaved, r),
-                (true, DType::F16) => heads_avx2::<F16>(from, p, heads, d, rd, row, interleaved, r),
+                (true, BF16) => heads_avx2::<BF16>(from, p, heads, d, rd, row, interleaved, r),
+                (true, F16) => heads_avx2::<F16>(from, p, heads, d, rd, row, interleaved, r),
                 (true, _) => heads_avx2::<F32>(from, p, heads, d, rd, row, interleaved, r),
             }
         };

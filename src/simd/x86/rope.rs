@@ -372,6 +372,62 @@ unsafe fn join_bf16(p: *mut u8, e: __m512, o: __m512) {
     unsafe { _mm512_storeu_si512(p.cast(), y) }
 }
 
+/// One half-split step of 32 bf16 pairs at pair `i`: elements `i .. i + 32` of both halves (`hh`
+/// apart) of a head from `from` into `base`, with the de-interleaved forms `cd`, `sd`.
+///
+/// # Safety
+/// AVX-512 F and BW must be available; `i + 32 ≤ hh`; both halves readable at `from` and writable
+/// at `base` (the same head or non-overlapping); `cd`, `sd` hold `hh` values.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn half_step_bf16(
+    from: *const u8,
+    base: *mut u8,
+    hh: usize,
+    i: usize,
+    cd: *const f32,
+    sd: *const f32,
+    r: Round,
+) {
+    // SAFETY: the caller's contract covers every address below.
+    unsafe {
+        let (x0e, x0o) = split_bf16(from.add(i * 2), r);
+        let (x1e, x1o) = split_bf16(from.add((hh + i) * 2), r);
+        let (ce, co) = (_mm512_loadu_ps(cd.add(i)), _mm512_loadu_ps(cd.add(i + 16)));
+        let (se, so) = (_mm512_loadu_ps(sd.add(i)), _mm512_loadu_ps(sd.add(i + 16)));
+        let (y0e, y1e) = rot512(x0e, x1e, ce, se, r);
+        let (y0o, y1o) = rot512(x0o, x1o, co, so, r);
+        join_bf16(base.add(i * 2), y0e, y0o);
+        join_bf16(base.add((hh + i) * 2), y1e, y1o);
+    }
+}
+
+/// One half-split step of 16 pairs of kind `K` at pair `i`, with the forms `c`, `s`.
+///
+/// # Safety
+/// As [`half_step_bf16`] with 16 pairs; `c`, `s` hold `hh` values.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn half_step<const K: u8>(
+    from: *const u8,
+    base: *mut u8,
+    hh: usize,
+    i: usize,
+    c: *const f32,
+    s: *const f32,
+    r: Round,
+) {
+    let size = if K == F32 { 4 } else { 2 };
+    // SAFETY: the caller's contract covers every address below.
+    unsafe {
+        let x0 = round512(load512::<K>(from.add(i * size)), r);
+        let x1 = round512(load512::<K>(from.add((hh + i) * size)), r);
+        let (y0, y1) = rot512(x0, x1, _mm512_loadu_ps(c.add(i)), _mm512_loadu_ps(s.add(i)), r);
+        store512::<K>(base.add(i * size), y0);
+        store512::<K>(base.add((hh + i) * size), y1);
+    }
+}
+
 /// Whether [`heads_half_avx512`] handles a call: half-split, `F32` math, a rotary half `hh` of
 /// whole vectors of `kind` (32 pairs for bf16, 16 otherwise).
 pub(crate) fn half_fast_path(kind: u8, interleaved: bool, r: Round, hh: usize) -> bool {
@@ -412,20 +468,9 @@ pub(crate) unsafe fn heads_half_avx512<const K: u8>(
             // d) and pairs i .. i + step of the forms (hh long each).
             unsafe {
                 if K == BF16 {
-                    let (x0e, x0o) = split_bf16(from.add(i * 2), Round::None);
-                    let (x1e, x1o) = split_bf16(from.add((hh + i) * 2), Round::None);
-                    let (ce, co) = (_mm512_loadu_ps(cd.add(i)), _mm512_loadu_ps(cd.add(i + 16)));
-                    let (se, so) = (_mm512_loadu_ps(sd.add(i)), _mm512_loadu_ps(sd.add(i + 16)));
-                    let (y0e, y1e) = rot512(x0e, x1e, ce, se, Round::None);
-                    let (y0o, y1o) = rot512(x0o, x1o, co, so, Round::None);
-                    join_bf16(base.add(i * 2), y0e, y0o);
-                    join_bf16(base.add((hh + i) * 2), y1e, y1o);
+                    half_step_bf16(from, base, hh, i, cd, sd, Round::None);
                 } else {
-                    let x0 = load512::<K>(from.add(i * size));
-                    let x1 = load512::<K>(from.add((hh + i) * size));
-                    let (y0, y1) = rot512(x0, x1, _mm512_loadu_ps(c.add(i)), _mm512_loadu_ps(s.add(i)), Round::None);
-                    store512::<K>(base.add(i * size), y0);
-                    store512::<K>(base.add((hh + i) * size), y1);
+                    half_step::<K>(from, base, hh, i, c, s, Round::None);
                 }
             }
             i += step;
@@ -496,29 +541,11 @@ pub(crate) unsafe fn heads_avx512<const K: u8>(
             for i in (0..start).step_by(32) {
                 // SAFETY: elements i .. i + 32 of both halves (hh long, i + 32 ≤ start ≤ hh) and
                 // of cd, sd (hh long).
-                unsafe {
-                    let (x0e, x0o) = split_bf16(from.add(i * 2), r);
-                    let (x1e, x1o) = split_bf16(from.add((hh + i) * 2), r);
-                    let (ce, co) =
-                        (_mm512_loadu_ps(row.cd.as_ptr().add(i)), _mm512_loadu_ps(row.cd.as_ptr().add(i + 16)));
-                    let (se, so) =
-                        (_mm512_loadu_ps(row.sd.as_ptr().add(i)), _mm512_loadu_ps(row.sd.as_ptr().add(i + 16)));
-                    let (y0e, y1e) = rot512(x0e, x1e, ce, se, r);
-                    let (y0o, y1o) = rot512(x0o, x1o, co, so, r);
-                    join_bf16(base.add(i * 2), y0e, y0o);
-                    join_bf16(base.add((hh + i) * 2), y1e, y1o);
-                }
+                unsafe { half_step_bf16(from, base, hh, i, row.cd.as_ptr(), row.sd.as_ptr(), r) };
             }
             for i in (start..done).step_by(16) {
                 // SAFETY: elements i .. i + 16 of both halves (hh long); c, s are hh long.
-                unsafe {
-                    let x0 = round512(load512::<K>(from.add(i * size)), r);
-                    let x1 = round512(load512::<K>(from.add((hh + i) * size)), r);
-                    let (c, s) = (_mm512_loadu_ps(row.c.as_ptr().add(i)), _mm512_loadu_ps(row.s.as_ptr().add(i)));
-                    let (y0, y1) = rot512(x0, x1, c, s, r);
-                    store512::<K>(base.add(i * size), y0);
-                    store512::<K>(base.add((hh + i) * size), y1);
-                }
+                unsafe { half_step::<K>(from, base, hh, i, row.c.as_ptr(), row.s.as_ptr(), r) };
             }
         }
     }
