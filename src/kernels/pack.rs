@@ -243,6 +243,22 @@ pub(crate) struct Fp4Acts {
     pub kb: usize,
 }
 
+/// `E2M1_DOUBLED[code & 15]` by byte arithmetic, which the compiler vectorises (a table lookup
+/// it does not: the lookup loop was ~5 % of a Qwen-sized decode call, Intel Xeon).
+#[inline(always)]
+fn e2m1_doubled(code: u8) -> i8 {
+    let m = code & 7;
+    // Magnitudes 0, 1, 2, 3, 4, 6, 8, 12 (doubled E2M1) for m = 0 … 7.
+    let mag = (if m < 4 {
+        m
+    } else if m < 6 {
+        2 * m - 4
+    } else {
+        4 * m - 16
+    }) as i8;
+    if code & 8 != 0 { -mag } else { mag }
+}
+
 impl Fp4Acts {
     pub fn prepare(a: QuantizedRef<'_>) -> Self {
         let (format, m, k) = (a.format(), a.rows(), a.k());
@@ -276,9 +292,8 @@ impl Fp4Acts {
             if format.is_fp4() {
                 // Two elements per byte (low nibble first), through the doubled-E2M1 table.
                 let dst = &mut acts.a8[r * kp..r * kp + k];
-                for (d, &byte) in dst.chunks_exact_mut(2).zip(row) {
-                    d[0] = E2M1_DOUBLED[(byte & 0xF) as usize];
-                    d[1] = E2M1_DOUBLED[(byte >> 4) as usize];
+                for (d, &byte) in dst.as_chunks_mut::<2>().0.iter_mut().zip(row) {
+                    *d = [e2m1_doubled(byte), e2m1_doubled(byte >> 4)];
                 }
                 if k % 2 == 1 {
                     dst[k - 1] = E2M1_DOUBLED[fp4_code(row, k - 1) as usize];
@@ -503,5 +518,15 @@ impl PlainActs {
     /// Element k of row r, widened to f32 (exact).
     pub fn get(&self, r: usize, k: usize) -> f32 {
         self.rows(false).get(r, k)
+    }
+}
+
+#[cfg(test)]
+mod e2m1_tests {
+    #[test]
+    fn e2m1_doubled_equals_the_table() {
+        for code in 0..=255u8 {
+            assert_eq!(super::e2m1_doubled(code), super::E2M1_DOUBLED[(code & 15) as usize], "code {code}");
+        }
     }
 }
