@@ -58,14 +58,20 @@ impl Fp4Rows<'_> {
 impl Fp4Group<'_> {
     /// The lengths every kernel's unchecked loads rely on. Panics on violation (a bug, not input).
     pub fn check(&self, rows: &Fp4Rows<'_>) {
+        self.check_group();
         assert!(rows.count >= 1 && rows.count <= MR);
-        assert!(self.pairs.is_multiple_of(2), "blocks of 16 or 32 k: an even number of 8-k pairs");
-        assert!(self.w.len() >= self.kb * self.pairs * 64 && self.ws.len() >= self.kb * GROUP);
         for r in 0..MR {
             assert!(rows.a[r].len() >= self.kb * self.pairs * 8);
             assert!(rows.corr[r].len() >= self.kb && rows.sc[r].len() >= self.kb);
             assert!(self.kind == ScaleKind::E5m3 || rows.scf[r].len() >= self.kb);
         }
+    }
+
+    /// The group's own part of [`check`](Self::check): what holds for any rows of the same `kb`,
+    /// `pairs` and `kind` once `check` passed for one group.
+    pub fn check_group(&self) {
+        assert!(self.pairs.is_multiple_of(2), "blocks of 16 or 32 k: an even number of 8-k pairs");
+        assert!(self.w.len() >= self.kb * self.pairs * 64 && self.ws.len() >= self.kb * GROUP);
     }
 }
 

@@ -483,14 +483,17 @@ pub(crate) fn fp4_row_v(
     out: &mut [[f32; GROUP]; ROW_GROUPS],
 ) {
     assert_eq!(rows.count(), 1);
-    for g in gs {
-        g.check(rows);
+    // The rows' lengths once (they depend only on kb, pairs and kind, which the groups share).
+    gs[0].check(rows);
+    for g in &gs[1..] {
+        g.check_group();
         assert!(g.pairs == gs[0].pairs && g.kb == gs[0].kb && g.kind == gs[0].kind);
     }
     match token.0 {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: the token proves AVX-512 F, BW and VNNI were detected, `has_vbmi` VBMI; `check`
-        // proved every group's lengths, and the groups share pairs, kb and kind (asserted above).
+        // SAFETY: the token proves AVX-512 F, BW and VNNI were detected, `has_vbmi` VBMI;
+        // `check_group` proved every group's own lengths and `check` the rows' for `gs[0]`, which
+        // hold for every group since the groups share pairs, kb and kind (asserted above).
         Isa::Avx512 | Isa::Avx512Bf16 if vbmi && has_vbmi() => unsafe { x86::fp4::fp4_row_avx512vbmi(gs, rows, out) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, without VBMI.

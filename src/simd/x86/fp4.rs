@@ -221,8 +221,9 @@ macro_rules! avx512_fp4_kernels {
         /// chain's latency, not the weight bytes, bounded the loop.
         ///
         /// # Safety
-        /// AVX-512 F, BW and VNNI (and VBMI for the `vbmi` kernels) must be available; `g.check(rows)`
-        /// must have passed for every group, all with the same `pairs`, `kb` and `kind`.
+        /// AVX-512 F, BW and VNNI (and VBMI for the `vbmi` kernels) must be available; every group
+        /// has the same `pairs`, `kb` and `kind`, `check_group` passed for every group and
+        /// `check(rows)` for one (so the rows' lengths hold for all).
         #[target_feature(enable = $features)]
         pub(crate) unsafe fn $row(
             gs: &[Fp4Group<'_>; ROW_GROUPS],
