@@ -18,7 +18,7 @@
 
 use crate::element::Element;
 use crate::error::Result;
-use crate::formats::fp4::{E2M1_DOUBLED, fp4_code};
+use crate::formats::fp4::{e2m1_doubled, fp4_code};
 use crate::formats::fp8::{e4m3_scale_to_f32, e4m3_to_f32};
 use crate::formats::{BlockFormat, QuantizedRef};
 use crate::ops::weight_rows;
@@ -243,23 +243,6 @@ pub(crate) struct Fp4Acts {
     pub kb: usize,
 }
 
-/// `E2M1_DOUBLED[code & 15]` by byte arithmetic, which the compiler vectorises (a table lookup
-/// it does not). `prepare` is ~5 % of a Qwen-sized decode call (Intel Xeon, `perf`); this took
-/// its share from 5.2 to 4.8 % of the samples.
-#[inline(always)]
-fn e2m1_doubled(code: u8) -> i8 {
-    let m = code & 7;
-    // Magnitudes 0, 1, 2, 3, 4, 6, 8, 12 (doubled E2M1) for m = 0 … 7.
-    let mag = (if m < 4 {
-        m
-    } else if m < 6 {
-        2 * m - 4
-    } else {
-        4 * m - 16
-    }) as i8;
-    if code & 8 != 0 { -mag } else { mag }
-}
-
 impl Fp4Acts {
     pub fn prepare(a: QuantizedRef<'_>) -> Self {
         let (format, m, k) = (a.format(), a.rows(), a.k());
@@ -297,7 +280,7 @@ impl Fp4Acts {
                     *d = [e2m1_doubled(byte), e2m1_doubled(byte >> 4)];
                 }
                 if k % 2 == 1 {
-                    dst[k - 1] = E2M1_DOUBLED[fp4_code(row, k - 1) as usize];
+                    dst[k - 1] = e2m1_doubled(fp4_code(row, k - 1));
                 }
             } else {
                 for (d, &b) in acts.af[r * kp..r * kp + k].iter_mut().zip(&row[..k]) {
@@ -519,15 +502,5 @@ impl PlainActs {
     /// Element k of row r, widened to f32 (exact).
     pub fn get(&self, r: usize, k: usize) -> f32 {
         self.rows(false).get(r, k)
-    }
-}
-
-#[cfg(test)]
-mod e2m1_tests {
-    #[test]
-    fn e2m1_doubled_equals_the_table() {
-        for code in 0..=255u8 {
-            assert_eq!(super::e2m1_doubled(code), super::E2M1_DOUBLED[(code & 15) as usize], "code {code}");
-        }
     }
 }
