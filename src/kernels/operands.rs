@@ -23,7 +23,7 @@ use crate::formats::fp8::e4m3_to_units;
 use crate::reference::exact::{ExactSum, f32_parts};
 use crate::simd::fp4::E8M0_ACT_BIAS;
 use crate::simd::fp8::E8M0_FP8_ACT_BIAS;
-use crate::simd::plain::PackedRows;
+use crate::simd::plain::{DECODE_ROWS, PackedRows};
 use crate::simd::{GROUP, IsaToken, MR, ROW_GROUPS};
 
 /// One task's rows and columns.
@@ -290,10 +290,13 @@ impl<T: Element> Operands for PlainOperands<'_, T> {
         let a = PackedRows { f: set.f.get(skip..).unwrap_or(&[]), p: set.p.get(skip..).unwrap_or(&[]), ..set };
         // k-blocks of KC pairs: the block of W (32 KiB for two bf16 groups) stays in L1/L2 and the
         // rows' block in L2 while every micro-tile of the task uses them; the accumulators
-        // continue through `out`, so the chain (the canonical order) is the same.
+        // continue through `out`, so the chain (the canonical order) is the same. A decode uses
+        // each weight once: one k-block, so each group is one sequential stream (on Zen 4, k-blocks
+        // here made bf16 decode from DRAM 1.7× a plain read instead of 1.3×).
         let pairs = self.w.pairs;
-        for (bi, p0) in (0..pairs).step_by(KC_PAIRS).enumerate() {
-            let p1 = (p0 + KC_PAIRS).min(pairs);
+        let kc = if rows.len() <= DECODE_ROWS { pairs.max(1) } else { KC_PAIRS };
+        for (bi, p0) in (0..pairs).step_by(kc).enumerate() {
+            let p1 = (p0 + kc).min(pairs);
             let panel = self.w.panel(g0, g1, p0, p1);
             crate::simd::plain_panel(token, &panel, &a, p0, rows.len(), out, width, bi > 0);
         }

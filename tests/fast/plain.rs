@@ -418,6 +418,33 @@ fn plain_real_shapes() {
     check_isas(&setup::<f16>(&mut rng, &c));
 }
 
+/// Decode (M = 1 and 2): the kernels stream whole weight groups (no k-blocks) four at a time on
+/// `vdpbf16ps`; K spans several of the larger calls' k-blocks and N = 15 groups leaves a partial
+/// pass of four.
+#[test]
+fn plain_decode_shapes() {
+    let mut rng = Rng::new(62);
+    for (m, cache) in [(1usize, 127u32), (2, 0)] {
+        let c = Cfg {
+            ragged: true,
+            k: 1201,
+            lens: vec![m],
+            seq: 0,
+            cache_lengths: vec![cache],
+            hq: 3,
+            hkv: 1,
+            hd: 48,
+            page: 128,
+            mla: None,
+            bias: m == 1,
+            values: Values::Normal,
+        };
+        check_isas(&setup::<bf16>(&mut rng, &c));
+        check_isas(&setup::<f16>(&mut rng, &c));
+        check_isas(&setup::<f32>(&mut rng, &c));
+    }
+}
+
 #[test]
 fn plain_adversarial_values() {
     let mut rng = Rng::new(62);

@@ -1,6 +1,6 @@
 //! bf16/f16/f32 micro-kernels: AVX2 (6 rows × 16 columns), AVX-512 F (12 × 32) and AVX-512 BF16
-//! (12 × 32 on `vdpbf16ps`), over the packed weight groups of [`crate::simd::plain`] and
-//! activations packed once per call in blocks of MR rows
+//! (12 × 32 on `vdpbf16ps`; decode 1–2 rows × 64), over the packed weight groups of
+//! [`crate::simd::plain`] and activations packed once per call in blocks of MR rows
 //! ([`PackedRows`]), so one pointer walks a micro-tile's activations.
 //!
 //! Weights are widened in registers: bf16 by a mask (odd element, the high half of a word) or a
@@ -10,7 +10,7 @@
 //! even.
 
 use crate::simd::GROUP;
-use crate::simd::plain::{PackedRows, PlainKind, PlainPanel};
+use crate::simd::plain::{DECODE_ROWS, PackedRows, PlainKind, PlainPanel};
 use std::arch::x86_64::*;
 
 /// Rows per AVX-512 micro-tile (24 accumulators of 32 columns).
@@ -36,7 +36,8 @@ const fn wpp(kind: u8) -> usize {
 }
 
 /// Software prefetch distance in bytes along a weight group: decode streams the weight once, and
-/// a prefetch this far ahead hides more of DRAM's latency than the hardware prefetcher alone.
+/// on Intel a prefetch this far ahead hides more of DRAM's latency than the hardware prefetcher
+/// alone (on AMD it hurts: [`crate::simd::prefetch_weights`]).
 const PREFETCH: usize = 1024;
 
 #[inline(always)]
@@ -50,7 +51,7 @@ fn prefetch(p: *const u32) {
 
 /// Rows at which a micro-tile stops streaming (and prefetching) the weight: beyond it the weight
 /// block is reused from L1 and a prefetch only evicts.
-const STREAM_ROWS: usize = 2;
+const STREAM_ROWS: usize = DECODE_ROWS;
 
 macro_rules! by_rows {
     ($count:expr, $f:ident :: <_ $(, $k:ident)?> ($($arg:expr),*)) => {
@@ -132,6 +133,7 @@ pub(crate) unsafe fn panel_avx512(
 ) {
     let pairs = w.pairs;
     let base = w.data.as_ptr();
+    let pf = crate::simd::prefetch_weights();
     for g in (0..w.groups).step_by(2) {
         let two = g + 1 < w.groups;
         let g0 = base.wrapping_add(g * w.stride);
@@ -144,9 +146,9 @@ pub(crate) unsafe fn panel_avx512(
             // rows of the panel at stride `ld` (check).
             unsafe {
                 match kind_id(w.kind) {
-                    BF16 => by_rows!(rows, micro512::<_, BF16>(g0, g1, pairs, ab, dst, ld, two, acc_in)),
-                    F16 => by_rows!(rows, micro512::<_, F16>(g0, g1, pairs, ab, dst, ld, two, acc_in)),
-                    _ => by_rows!(rows, micro512::<_, F32>(g0, g1, pairs, ab, dst, ld, two, acc_in)),
+                    BF16 => by_rows!(rows, micro512::<_, BF16>(g0, g1, pairs, ab, dst, ld, two, acc_in, pf)),
+                    F16 => by_rows!(rows, micro512::<_, F16>(g0, g1, pairs, ab, dst, ld, two, acc_in, pf)),
+                    _ => by_rows!(rows, micro512::<_, F32>(g0, g1, pairs, ab, dst, ld, two, acc_in, pf)),
                 }
             }
         }
@@ -168,6 +170,7 @@ unsafe fn micro512<const R: usize, const K: u8>(
     ld: usize,
     two: bool,
     acc_in: bool,
+    pf: bool,
 ) {
     // SAFETY: dst holds the tile by the contract.
     let (mut acc0, mut acc1) = unsafe { load_acc512::<R>(dst, ld, two, acc_in) };
@@ -175,7 +178,7 @@ unsafe fn micro512<const R: usize, const K: u8>(
     for p in 0..pairs {
         let (q0, q1) = (g0.wrapping_add(p * wpp(K)), g1.wrapping_add(p * wpp(K)));
         let ap = a.wrapping_add(p * 2 * MR512);
-        if R <= STREAM_ROWS {
+        if R <= STREAM_ROWS && pf {
             prefetch(q0);
             prefetch(q1);
         }
@@ -236,6 +239,30 @@ pub(crate) unsafe fn panel_avx512bf16(
 ) {
     let pairs = w.pairs;
     let base = w.data.as_ptr();
+    let pf = crate::simd::prefetch_weights();
+    if (1..=DECODE_ROWS).contains(&n) {
+        // Decode: four groups per pass, four weight streams and four independent chains per row
+        // (two left bf16 decode from DRAM ~5 % slower on Zen 4: the chains' latency limits how
+        // far the loads run ahead).
+        let ab = a.p.as_ptr().wrapping_add(p0 * MR512);
+        for g in (0..w.groups).step_by(4) {
+            let live = (w.groups - g).min(4);
+            // Groups past the panel repeat its last one: read, computed, never stored.
+            let gs: [*const u32; 4] = std::array::from_fn(|j| base.wrapping_add((g + j.min(live - 1)) * w.stride));
+            let dst = out.as_mut_ptr().wrapping_add(g * GROUP);
+            // SAFETY: the four pointers are groups < w.groups, each holding `pairs` k-pairs
+            // (check); ab is the first packed block's pair p0 (check: n ≥ 1 rows, block 0); dst
+            // holds n rows of `live` groups' columns at stride ld (check).
+            unsafe {
+                if n == 1 {
+                    micro_bf16_x4::<1>(gs, live, pairs, ab, dst, ld, acc_in, pf)
+                } else {
+                    micro_bf16_x4::<2>(gs, live, pairs, ab, dst, ld, acc_in, pf)
+                }
+            }
+        }
+        return;
+    }
     for g in (0..w.groups).step_by(2) {
         let two = g + 1 < w.groups;
         let g0 = base.wrapping_add(g * w.stride);
@@ -245,7 +272,7 @@ pub(crate) unsafe fn panel_avx512bf16(
             let ab = a.p.as_ptr().wrapping_add(b * a.block_len() + p0 * MR512);
             let dst = out.as_mut_ptr().wrapping_add(i * ld + g * GROUP);
             // SAFETY: as in `panel_avx512`, with packed blocks of `pairs · 12` words.
-            unsafe { by_rows!(rows, micro_bf16::<_>(g0, g1, pairs, ab, dst, ld, two, acc_in)) }
+            unsafe { by_rows!(rows, micro_bf16::<_>(g0, g1, pairs, ab, dst, ld, two, acc_in, pf)) }
         }
     }
 }
@@ -264,13 +291,14 @@ unsafe fn micro_bf16<const R: usize>(
     ld: usize,
     two: bool,
     acc_in: bool,
+    pf: bool,
 ) {
     // SAFETY: dst holds the tile by the contract.
     let (mut acc0, mut acc1) = unsafe { load_acc512::<R>(dst, ld, two, acc_in) };
     for p in 0..pairs {
         let (q0, q1) = (g0.wrapping_add(p * GROUP), g1.wrapping_add(p * GROUP));
         let ap = a.wrapping_add(p * MR512);
-        if R <= STREAM_ROWS {
+        if R <= STREAM_ROWS && pf {
             prefetch(q0);
             prefetch(q1);
         }
@@ -290,6 +318,60 @@ unsafe fn micro_bf16<const R: usize>(
     unsafe { store_acc512::<R>(dst, ld, two, &acc0, &acc1) };
 }
 
+/// The decode tile: R (1 or 2) rows × four groups, the same chain per column as [`micro_bf16`].
+///
+/// # Safety
+/// AVX-512 F + BF16; each of `gs` holds `pairs` bf16 k-pairs, `a` a packed block of `pairs · 12`
+/// words, `dst` R rows of `live · 16` f32 at stride `ld` (read first when `acc_in`); `live` ≤ 4.
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn micro_bf16_x4<const R: usize>(
+    gs: [*const u32; 4],
+    live: usize,
+    pairs: usize,
+    a: *const u32,
+    dst: *mut f32,
+    ld: usize,
+    acc_in: bool,
+    pf: bool,
+) {
+    let mut acc = [[_mm512_setzero_ps(); 4]; R];
+    if acc_in {
+        for (r, acc) in acc.iter_mut().enumerate() {
+            for (j, acc) in acc.iter_mut().enumerate().take(live) {
+                // SAFETY: dst row r holds `live` groups' columns by the contract.
+                *acc = unsafe { _mm512_loadu_ps(dst.add(r * ld + j * GROUP)) };
+            }
+        }
+    }
+    for p in 0..pairs {
+        let ap = a.wrapping_add(p * MR512);
+        // SAFETY: each gs[j] + p·16 is pair p of its group and ap pair p of the packed block (the
+        // contract); __m512i and __m512bh are both 64 plain bytes.
+        unsafe {
+            let w: [__m512bh; 4] = std::array::from_fn(|j| {
+                let q = gs[j].wrapping_add(p * GROUP);
+                if pf {
+                    prefetch(q);
+                }
+                std::mem::transmute(_mm512_loadu_si512(q.cast()))
+            });
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(*ap.add(r) as i32));
+                for (acc, &w) in acc.iter_mut().zip(&w) {
+                    *acc = _mm512_dpbf16_ps(*acc, x, w);
+                }
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        for (j, &acc) in acc.iter().enumerate().take(live) {
+            // SAFETY: as above.
+            unsafe { _mm512_storeu_ps(dst.add(r * ld + j * GROUP), acc) };
+        }
+    }
+}
+
 /// # Safety
 /// AVX2, FMA and F16C must be available; `w.check(a, p0, n, out.len(), ld)` must have passed with
 /// `a` in f32 form, MR 6.
@@ -304,6 +386,7 @@ pub(crate) unsafe fn panel_avx2(
     acc_in: bool,
 ) {
     let pairs = w.pairs;
+    let pf = crate::simd::prefetch_weights();
     for g in 0..w.groups {
         let q = w.data.as_ptr().wrapping_add(g * w.stride);
         for (b, i) in (0..n).step_by(MR256).enumerate() {
@@ -313,24 +396,24 @@ pub(crate) unsafe fn panel_avx2(
             // SAFETY: as in `panel_avx512`, one group at a time, 6-row blocks.
             unsafe {
                 match (kind_id(w.kind), rows) {
-                    (BF16, 1) => micro256::<1, BF16>(q, pairs, ab, dst, ld, acc_in),
-                    (BF16, 2) => micro256::<2, BF16>(q, pairs, ab, dst, ld, acc_in),
-                    (BF16, 3) => micro256::<3, BF16>(q, pairs, ab, dst, ld, acc_in),
-                    (BF16, 4) => micro256::<4, BF16>(q, pairs, ab, dst, ld, acc_in),
-                    (BF16, 5) => micro256::<5, BF16>(q, pairs, ab, dst, ld, acc_in),
-                    (BF16, _) => micro256::<6, BF16>(q, pairs, ab, dst, ld, acc_in),
-                    (F16, 1) => micro256::<1, F16>(q, pairs, ab, dst, ld, acc_in),
-                    (F16, 2) => micro256::<2, F16>(q, pairs, ab, dst, ld, acc_in),
-                    (F16, 3) => micro256::<3, F16>(q, pairs, ab, dst, ld, acc_in),
-                    (F16, 4) => micro256::<4, F16>(q, pairs, ab, dst, ld, acc_in),
-                    (F16, 5) => micro256::<5, F16>(q, pairs, ab, dst, ld, acc_in),
-                    (F16, _) => micro256::<6, F16>(q, pairs, ab, dst, ld, acc_in),
-                    (_, 1) => micro256::<1, F32>(q, pairs, ab, dst, ld, acc_in),
-                    (_, 2) => micro256::<2, F32>(q, pairs, ab, dst, ld, acc_in),
-                    (_, 3) => micro256::<3, F32>(q, pairs, ab, dst, ld, acc_in),
-                    (_, 4) => micro256::<4, F32>(q, pairs, ab, dst, ld, acc_in),
-                    (_, 5) => micro256::<5, F32>(q, pairs, ab, dst, ld, acc_in),
-                    (_, _) => micro256::<6, F32>(q, pairs, ab, dst, ld, acc_in),
+                    (BF16, 1) => micro256::<1, BF16>(q, pairs, ab, dst, ld, acc_in, pf),
+                    (BF16, 2) => micro256::<2, BF16>(q, pairs, ab, dst, ld, acc_in, pf),
+                    (BF16, 3) => micro256::<3, BF16>(q, pairs, ab, dst, ld, acc_in, pf),
+                    (BF16, 4) => micro256::<4, BF16>(q, pairs, ab, dst, ld, acc_in, pf),
+                    (BF16, 5) => micro256::<5, BF16>(q, pairs, ab, dst, ld, acc_in, pf),
+                    (BF16, _) => micro256::<6, BF16>(q, pairs, ab, dst, ld, acc_in, pf),
+                    (F16, 1) => micro256::<1, F16>(q, pairs, ab, dst, ld, acc_in, pf),
+                    (F16, 2) => micro256::<2, F16>(q, pairs, ab, dst, ld, acc_in, pf),
+                    (F16, 3) => micro256::<3, F16>(q, pairs, ab, dst, ld, acc_in, pf),
+                    (F16, 4) => micro256::<4, F16>(q, pairs, ab, dst, ld, acc_in, pf),
+                    (F16, 5) => micro256::<5, F16>(q, pairs, ab, dst, ld, acc_in, pf),
+                    (F16, _) => micro256::<6, F16>(q, pairs, ab, dst, ld, acc_in, pf),
+                    (_, 1) => micro256::<1, F32>(q, pairs, ab, dst, ld, acc_in, pf),
+                    (_, 2) => micro256::<2, F32>(q, pairs, ab, dst, ld, acc_in, pf),
+                    (_, 3) => micro256::<3, F32>(q, pairs, ab, dst, ld, acc_in, pf),
+                    (_, 4) => micro256::<4, F32>(q, pairs, ab, dst, ld, acc_in, pf),
+                    (_, 5) => micro256::<5, F32>(q, pairs, ab, dst, ld, acc_in, pf),
+                    (_, _) => micro256::<6, F32>(q, pairs, ab, dst, ld, acc_in, pf),
                 }
             }
         }
@@ -348,6 +431,7 @@ unsafe fn micro256<const R: usize, const K: u8>(
     dst: *mut f32,
     ld: usize,
     acc_in: bool,
+    pf: bool,
 ) {
     let mut lo = [_mm256_setzero_ps(); R];
     let mut hi = [_mm256_setzero_ps(); R];
@@ -364,7 +448,7 @@ unsafe fn micro256<const R: usize, const K: u8>(
     for p in 0..pairs {
         let q = g.wrapping_add(p * wpp(K));
         let ap = a.wrapping_add(p * 2 * MR256);
-        if R <= STREAM_ROWS {
+        if R <= STREAM_ROWS && pf {
             prefetch(q);
         }
         // SAFETY (whole block): q points at pair p of the group, ap at pair p of the packed block.
