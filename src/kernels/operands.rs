@@ -23,8 +23,8 @@ use crate::formats::fp8::e4m3_to_units;
 use crate::reference::exact::{ExactSum, f32_parts};
 use crate::simd::fp4::E8M0_ACT_BIAS;
 use crate::simd::fp8::E8M0_FP8_ACT_BIAS;
-use crate::simd::plain::{DECODE_ROWS, PackedRows};
-use crate::simd::{GROUP, IsaToken, MR, ROW_GROUPS};
+use crate::simd::plain::PackedRows;
+use crate::simd::{DECODE_ROWS, GROUP, IsaToken, MR, ROW_GROUPS};
 
 /// One task's rows and columns.
 pub(crate) struct Tile<'a> {

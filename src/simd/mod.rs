@@ -173,6 +173,11 @@ fn bf16_dot_beats_fma() -> bool {
     is_amd()
 }
 
+/// Rows up to which a call is a decode: each weight is used once, so the kernels stream the
+/// weight groups whole (no k-blocks: a k-block would only restart the hardware prefetcher's streams)
+/// and, where [`prefetch_weights`] says so, prefetch ahead of them.
+pub(crate) const DECODE_ROWS: usize = 2;
+
 /// Whether the decode (one- or two-row) kernels issue software prefetches ahead of the weight
 /// streams. Intel: yes (on Emerald Rapids they took bf16 decode from DRAM from ~1.3× to ~1.0× a
 /// plain read of the bytes). AMD: no — on Zen 4 the same `prefetcht0` 1 KiB ahead made bf16

@@ -82,11 +82,6 @@ impl PlainKind {
     }
 }
 
-/// Rows up to which a call is a decode: each weight is used once, so the kernels stream the
-/// weight groups whole (no k-blocks: a k-block would only restart the hardware prefetcher's streams)
-/// and, where [`super::prefetch_weights`] says so, prefetch ahead of them.
-pub(crate) const DECODE_ROWS: usize = 2;
-
 /// A block of a packed weight: `groups` consecutive 16-column groups (one column panel), `pairs`
 /// consecutive k-pairs of each (one k-block). Group `g` starts at word `g · stride` of `data`.
 #[derive(Clone, Copy)]

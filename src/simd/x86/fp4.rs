@@ -6,7 +6,7 @@
 //! so no sign trick is needed, and i16 partial sums stay below 8 · 2 · 24 · 12 = 4608.
 
 use crate::simd::fp4::{Fp4Group, Fp4Rows, ScaleKind};
-use crate::simd::{GROUP, MR, ROW_GROUPS};
+use crate::simd::{DECODE_ROWS, GROUP, MR, ROW_GROUPS};
 use std::arch::x86_64::*;
 
 /// `w + 12` for each E2M1 code (codes 8..15 are the negatives).
@@ -51,13 +51,18 @@ pub(crate) unsafe fn fp4_group_avx2<const R: usize>(
     let ones = _mm256_set1_epi16(1);
     debug_assert_eq!(rows.count(), R);
     let v = g.pairs * 8;
+    // Many rows reuse the weight from L1: the prefetch helps there on every CPU (AMD Zen 4, NVFP4
+    // M = 512: 7-12 % slower without, two alternating runs); a decode follows `prefetch_weights`.
+    let pf = R > DECODE_ROWS || crate::simd::prefetch_weights();
     for half in 0..2 {
         let mut acc = [_mm256_setzero_ps(); R];
         for kb in 0..g.kb {
             let mut s16 = [_mm256_setzero_si256(); R];
             for p in 0..g.pairs {
                 let off = (kb * g.pairs + p) * 64 + half * 32;
-                prefetch(g.w, off + PREFETCH);
+                if pf {
+                    prefetch(g.w, off + PREFETCH);
+                }
                 // SAFETY: `check` proved w.len() ≥ kb_total · pairs · 64, so off + 32 is in bounds.
                 let w = unsafe { _mm256_loadu_si256(g.w.as_ptr().add(off).cast()) };
                 let lo = _mm256_and_si256(w, mask);
@@ -102,8 +107,9 @@ pub(crate) unsafe fn fp4_group_avx2<const R: usize>(
     }
 }
 
-/// Software prefetch distance in bytes (the hardware prefetcher alone left DRAM decode ~1.5× a
-/// plain read).
+/// Software prefetch distance in bytes (on Intel the hardware prefetcher alone left DRAM decode
+/// ~1.5× a plain read; on AMD Zen 4 the prefetch made it worse, NVFP4 1.4× instead of 1.2×:
+/// [`crate::simd::prefetch_weights`]).
 const PREFETCH: usize = 1024;
 
 #[inline(always)]
@@ -157,6 +163,8 @@ macro_rules! avx512_fp4_kernels {
             let lut = _mm512_broadcast_i32x4(_mm_loadu_si128_safe(&LUT));
             debug_assert_eq!(rows.count(), R);
             let v = g.pairs * 8;
+            // As in `fp4_group_avx2`.
+            let pf = R > DECODE_ROWS || crate::simd::prefetch_weights();
             let mut acc = [_mm512_setzero_ps(); R];
             for kb in 0..g.kb {
                 // Each chain starts at −12·Σa (the offset correction), saving a subtraction per row.
@@ -165,7 +173,9 @@ macro_rules! avx512_fp4_kernels {
                     std::array::from_fn(|r| _mm512_set1_epi32(-unsafe { get(rows.corr[r], kb) }));
                 for p in 0..g.pairs {
                     let off = (kb * g.pairs + p) * 64;
-                    prefetch(g.w, off + PREFETCH);
+                    if pf {
+                        prefetch(g.w, off + PREFETCH);
+                    }
                     // SAFETY: `check` proved w.len() ≥ kb_total · pairs · 64.
                     let w = unsafe { _mm512_loadu_si512(g.w.as_ptr().add(off).cast()) };
                     let (wl, wh) = $nib(w, lut);
@@ -234,6 +244,7 @@ macro_rules! avx512_fp4_kernels {
             let lut = _mm512_broadcast_i32x4(_mm_loadu_si128_safe(&LUT));
             let (pairs, kbs, kind) = (gs[0].pairs, gs[0].kb, gs[0].kind);
             let v = pairs * 8;
+            let pf = crate::simd::prefetch_weights();
             let a = rows.a[0];
             let mut acc = [_mm512_setzero_ps(); G];
             for kb in 0..kbs {
@@ -246,7 +257,9 @@ macro_rules! avx512_fp4_kernels {
                     let (a0, a1) = unsafe { (read_u32(a, kb * v + p * 8), read_u32(a, kb * v + p * 8 + 4)) };
                     let (a0, a1) = (_mm512_set1_epi32(a0), _mm512_set1_epi32(a1));
                     for (g, ia) in gs.iter().zip(i32acc.iter_mut()) {
-                        prefetch(g.w, off + PREFETCH);
+                        if pf {
+                            prefetch(g.w, off + PREFETCH);
+                        }
                         // SAFETY: `check` proved g.w.len() ≥ kb_total · pairs · 64 for every group.
                         let w = unsafe { _mm512_loadu_si512(g.w.as_ptr().add(off).cast()) };
                         let (wl, wh) = $nib(w, lut);

@@ -9,8 +9,9 @@
 //! output column vector of one row, updated in the canonical order: odd element of a pair, then
 //! even.
 
+use crate::simd::DECODE_ROWS;
 use crate::simd::GROUP;
-use crate::simd::plain::{DECODE_ROWS, PackedRows, PlainKind, PlainPanel};
+use crate::simd::plain::{PackedRows, PlainKind, PlainPanel};
 use std::arch::x86_64::*;
 
 /// Rows per AVX-512 micro-tile (24 accumulators of 32 columns).
