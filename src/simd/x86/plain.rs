@@ -1,7 +1,11 @@
 //! bf16/f16/f32 micro-kernels: AVX2 (6 rows × 16 columns), AVX-512 F (12 × 32) and AVX-512 BF16
-//! (12 × 32 on `vdpbf16ps`; decode 1–2 rows × 64), over the packed weight groups of
-//! [`crate::simd::plain`] and activations packed once per call in blocks of MR rows
-//! ([`PackedRows`]), so one pointer walks a micro-tile's activations.
+//! (12 × 32 on `vdpbf16ps`), over the packed weight groups of [`crate::simd::plain`] and
+//! activations packed once per call in blocks of MR rows ([`PackedRows`]), so one pointer walks a
+//! micro-tile's activations. A decode (one or two rows: [`DECODE_ROWS`]) has its own tiles of four
+//! (one row) or two groups: four weight streams and at least four independent chains, where the
+//! general tiles at one row left one or two chains whose latency limited how far the loads ran
+//! ahead (Zen 4, Llama-3-8B bf16 from DRAM, one thread: AVX2 2.0–2.3× → 1.14–1.16× a plain read
+//! of the bytes, AVX-512 F 1.7–1.9× → 1.2–1.3×, README).
 //!
 //! Weights are widened in registers: bf16 by a mask (odd element, the high half of a word) or a
 //! shift (even element), f16 by `vcvtph2ps`, f32 as loaded. Activations are broadcast from memory
@@ -73,6 +77,20 @@ macro_rules! by_rows {
     };
 }
 
+// The decode kernels have one- and two-row forms (4 / n groups per pass).
+const _: () = assert!(DECODE_ROWS == 2);
+
+/// A decode's passes over a panel, `step` (≤ 4) groups at a time: (first group, groups in the
+/// pass, their pointers). Pointers past the panel repeat its last group: read and computed by the
+/// kernel, never stored.
+fn decode_passes<'a>(w: &'a PlainPanel<'_>, step: usize) -> impl Iterator<Item = (usize, usize, [*const u32; 4])> + 'a {
+    let base = w.data.as_ptr();
+    (0..w.groups).step_by(step).map(move |g| {
+        let live = (w.groups - g).min(step);
+        (g, live, std::array::from_fn(|j| base.wrapping_add((g + j.min(live - 1)) * w.stride)))
+    })
+}
+
 /// The accumulators of an R × 32 tile: read from `dst` (a later k-block) or zero.
 ///
 /// # Safety
@@ -135,6 +153,26 @@ pub(crate) unsafe fn panel_avx512(
     let pairs = w.pairs;
     let base = w.data.as_ptr();
     let pf = crate::simd::prefetch_weights();
+    if (1..=DECODE_ROWS).contains(&n) {
+        // Decode: G groups per pass (G = 4 / n), G weight streams and G·n independent chains.
+        let ab = a.f.as_ptr().wrapping_add(p0 * 2 * MR512);
+        let step = 4 / n;
+        for (g, live, gs) in decode_passes(w, step) {
+            let dst = out.as_mut_ptr().wrapping_add(g * GROUP);
+            // SAFETY: as in `panel_avx512bf16`'s decode, with packed blocks of `pairs · 24` f32.
+            unsafe {
+                match (kind_id(w.kind), n) {
+                    (BF16, 1) => decode512::<1, 4, BF16>(gs, live, pairs, ab, dst, ld, acc_in, pf),
+                    (BF16, _) => decode512::<2, 2, BF16>(gs, live, pairs, ab, dst, ld, acc_in, pf),
+                    (F16, 1) => decode512::<1, 4, F16>(gs, live, pairs, ab, dst, ld, acc_in, pf),
+                    (F16, _) => decode512::<2, 2, F16>(gs, live, pairs, ab, dst, ld, acc_in, pf),
+                    (_, 1) => decode512::<1, 4, F32>(gs, live, pairs, ab, dst, ld, acc_in, pf),
+                    (_, _) => decode512::<2, 2, F32>(gs, live, pairs, ab, dst, ld, acc_in, pf),
+                }
+            }
+        }
+        return;
+    }
     for g in (0..w.groups).step_by(2) {
         let two = g + 1 < w.groups;
         let g0 = base.wrapping_add(g * w.stride);
@@ -246,19 +284,16 @@ pub(crate) unsafe fn panel_avx512bf16(
         // (two left bf16 decode from DRAM ~5 % slower on Zen 4: the chains' latency limits how
         // far the loads run ahead).
         let ab = a.p.as_ptr().wrapping_add(p0 * MR512);
-        for g in (0..w.groups).step_by(4) {
-            let live = (w.groups - g).min(4);
-            // Groups past the panel repeat its last one: read, computed, never stored.
-            let gs: [*const u32; 4] = std::array::from_fn(|j| base.wrapping_add((g + j.min(live - 1)) * w.stride));
+        for (g, live, gs) in decode_passes(w, 4) {
             let dst = out.as_mut_ptr().wrapping_add(g * GROUP);
             // SAFETY: the four pointers are groups < w.groups, each holding `pairs` k-pairs
             // (check); ab is the first packed block's pair p0 (check: n ≥ 1 rows, block 0); dst
             // holds n rows of `live` groups' columns at stride ld (check).
             unsafe {
                 if n == 1 {
-                    micro_bf16_x4::<1>(gs, live, pairs, ab, dst, ld, acc_in, pf)
+                    decode_bf16::<1>(gs, live, pairs, ab, dst, ld, acc_in, pf)
                 } else {
-                    micro_bf16_x4::<2>(gs, live, pairs, ab, dst, ld, acc_in, pf)
+                    decode_bf16::<2>(gs, live, pairs, ab, dst, ld, acc_in, pf)
                 }
             }
         }
@@ -319,14 +354,15 @@ unsafe fn micro_bf16<const R: usize>(
     unsafe { store_acc512::<R>(dst, ld, two, &acc0, &acc1) };
 }
 
-/// The decode tile: R (1 or 2) rows × four groups, the same chain per column as [`micro_bf16`].
+/// The decode tile on `vdpbf16ps`: R (1 or 2) rows × four groups, the same chain per column as
+/// [`micro_bf16`].
 ///
 /// # Safety
 /// AVX-512 F + BF16; each of `gs` holds `pairs` bf16 k-pairs, `a` a packed block of `pairs · 12`
 /// words, `dst` R rows of `live · 16` f32 at stride `ld` (read first when `acc_in`); `live` ≤ 4.
 #[target_feature(enable = "avx512f,avx512bf16")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn micro_bf16_x4<const R: usize>(
+unsafe fn decode_bf16<const R: usize>(
     gs: [*const u32; 4],
     live: usize,
     pairs: usize,
@@ -388,6 +424,29 @@ pub(crate) unsafe fn panel_avx2(
 ) {
     let pairs = w.pairs;
     let pf = crate::simd::prefetch_weights();
+    if (1..=DECODE_ROWS).contains(&n) {
+        // Decode: G groups per pass (G = 4 / n: eight accumulators), G weight streams and 2·G·n
+        // independent chains.
+        let ab = a.f.as_ptr().wrapping_add(p0 * 2 * MR256);
+        let step = 4 / n;
+        for (g, live, gs) in decode_passes(w, step) {
+            let dst = out.as_mut_ptr().wrapping_add(g * GROUP);
+            // SAFETY: the first `step` pointers are groups < w.groups, each holding `pairs`
+            // k-pairs (check); ab is the first packed block's pair p0 (check: n ≥ 1 rows); dst
+            // holds n rows of `live` groups' columns at stride ld (check).
+            unsafe {
+                match (kind_id(w.kind), n) {
+                    (BF16, 1) => decode256::<1, 4, BF16>(gs, live, pairs, ab, dst, ld, acc_in, pf),
+                    (BF16, _) => decode256::<2, 2, BF16>(gs, live, pairs, ab, dst, ld, acc_in, pf),
+                    (F16, 1) => decode256::<1, 4, F16>(gs, live, pairs, ab, dst, ld, acc_in, pf),
+                    (F16, _) => decode256::<2, 2, F16>(gs, live, pairs, ab, dst, ld, acc_in, pf),
+                    (_, 1) => decode256::<1, 4, F32>(gs, live, pairs, ab, dst, ld, acc_in, pf),
+                    (_, _) => decode256::<2, 2, F32>(gs, live, pairs, ab, dst, ld, acc_in, pf),
+                }
+            }
+        }
+        return;
+    }
     for g in 0..w.groups {
         let q = w.data.as_ptr().wrapping_add(g * w.stride);
         for (b, i) in (0..n).step_by(MR256).enumerate() {
@@ -492,6 +551,187 @@ unsafe fn micro256<const R: usize, const K: u8>(
         unsafe {
             _mm256_storeu_ps(dst.add(r * ld), lo[r]);
             _mm256_storeu_ps(dst.add(r * ld + 8), hi[r]);
+        }
+    }
+}
+
+/// The odd (`ODD`) or even elements of pair `p` of a group of kind `K` as f32: columns 0–7 and
+/// 8–15.
+///
+/// # Safety
+/// AVX2 + F16C; `q` points at a whole k-pair of a group of kind `K`.
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+unsafe fn widen256<const K: u8, const ODD: bool>(q: *const u32) -> (__m256, __m256) {
+    // SAFETY: the contract: a pair is 16 words (bf16, f16) or 32 (f32).
+    unsafe {
+        match K {
+            BF16 => {
+                let (l, h) = (_mm256_loadu_si256(q.cast()), _mm256_loadu_si256(q.add(8).cast()));
+                if ODD {
+                    let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+                    (_mm256_castsi256_ps(_mm256_and_si256(l, mask)), _mm256_castsi256_ps(_mm256_and_si256(h, mask)))
+                } else {
+                    (_mm256_castsi256_ps(_mm256_slli_epi32::<16>(l)), _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h)))
+                }
+            }
+            F16 => {
+                let o = if ODD { 0 } else { 8 };
+                (
+                    _mm256_cvtph_ps(_mm_loadu_si128(q.add(o).cast())),
+                    _mm256_cvtph_ps(_mm_loadu_si128(q.add(o + 4).cast())),
+                )
+            }
+            _ => {
+                let o = if ODD { 0 } else { 16 };
+                (_mm256_loadu_ps(q.add(o).cast()), _mm256_loadu_ps(q.add(o + 8).cast()))
+            }
+        }
+    }
+}
+
+/// The decode tile: R rows × G groups (2·G·R ≤ 8 accumulators), the same chain per column as
+/// [`micro256`].
+///
+/// # Safety
+/// AVX2 + FMA + F16C; each of the first G of `gs` holds `pairs` k-pairs of kind `K`, `a` a packed
+/// block of `pairs · 12` f32, `dst` R rows of `live · 16` f32 at stride `ld` (read first when
+/// `acc_in`); `live` ≤ G.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn decode256<const R: usize, const G: usize, const K: u8>(
+    gs: [*const u32; 4],
+    live: usize,
+    pairs: usize,
+    a: *const f32,
+    dst: *mut f32,
+    ld: usize,
+    acc_in: bool,
+    pf: bool,
+) {
+    let mut acc = [[[_mm256_setzero_ps(); 2]; G]; R];
+    if acc_in {
+        for (r, acc) in acc.iter_mut().enumerate() {
+            for (j, acc) in acc.iter_mut().enumerate().take(live) {
+                // SAFETY: dst row r holds `live` groups' columns by the contract.
+                unsafe {
+                    acc[0] = _mm256_loadu_ps(dst.add(r * ld + j * GROUP));
+                    acc[1] = _mm256_loadu_ps(dst.add(r * ld + j * GROUP + 8));
+                }
+            }
+        }
+    }
+    for p in 0..pairs {
+        let ap = a.wrapping_add(p * 2 * MR256);
+        for j in 0..G {
+            let q = gs[j].wrapping_add(p * wpp(K));
+            if pf {
+                prefetch(q);
+            }
+            // SAFETY: q is pair p of group j and ap pair p of the packed block (the contract).
+            unsafe {
+                let (wl, wh) = widen256::<K, true>(q);
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let x = _mm256_set1_ps(*ap.add(r));
+                    acc[j][0] = _mm256_fmadd_ps(x, wl, acc[j][0]);
+                    acc[j][1] = _mm256_fmadd_ps(x, wh, acc[j][1]);
+                }
+                let (wl, wh) = widen256::<K, false>(q);
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let x = _mm256_set1_ps(*ap.add(MR256 + r));
+                    acc[j][0] = _mm256_fmadd_ps(x, wl, acc[j][0]);
+                    acc[j][1] = _mm256_fmadd_ps(x, wh, acc[j][1]);
+                }
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        for (j, acc) in acc.iter().enumerate().take(live) {
+            // SAFETY: as above.
+            unsafe {
+                _mm256_storeu_ps(dst.add(r * ld + j * GROUP), acc[0]);
+                _mm256_storeu_ps(dst.add(r * ld + j * GROUP + 8), acc[1]);
+            }
+        }
+    }
+}
+
+/// The odd (`ODD`) or even elements of pair `p` of a group of kind `K` as 16 f32.
+///
+/// # Safety
+/// AVX-512 F; `q` points at a whole k-pair of a group of kind `K`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn widen512<const K: u8, const ODD: bool>(q: *const u32) -> __m512 {
+    // SAFETY: the contract: a pair is 16 words (bf16, f16) or 32 (f32).
+    unsafe {
+        match K {
+            BF16 => {
+                let w = _mm512_loadu_si512(q.cast());
+                if ODD {
+                    _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xFFFF_0000u32 as i32)))
+                } else {
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w))
+                }
+            }
+            F16 => _mm512_cvtph_ps(_mm256_loadu_si256(q.add(if ODD { 0 } else { GROUP / 2 }).cast())),
+            _ => _mm512_loadu_ps(q.add(if ODD { 0 } else { GROUP }).cast()),
+        }
+    }
+}
+
+/// The decode tile: R rows × G groups (G·R ≤ 4 accumulators), the same chain per column as
+/// [`micro512`].
+///
+/// # Safety
+/// AVX-512 F; each of the first G of `gs` holds `pairs` k-pairs of kind `K`, `a` a packed block of
+/// `pairs · 24` f32, `dst` R rows of `live · 16` f32 at stride `ld` (read first when `acc_in`);
+/// `live` ≤ G.
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn decode512<const R: usize, const G: usize, const K: u8>(
+    gs: [*const u32; 4],
+    live: usize,
+    pairs: usize,
+    a: *const f32,
+    dst: *mut f32,
+    ld: usize,
+    acc_in: bool,
+    pf: bool,
+) {
+    let mut acc = [[_mm512_setzero_ps(); G]; R];
+    if acc_in {
+        for (r, acc) in acc.iter_mut().enumerate() {
+            for (j, acc) in acc.iter_mut().enumerate().take(live) {
+                // SAFETY: dst row r holds `live` groups' columns by the contract.
+                *acc = unsafe { _mm512_loadu_ps(dst.add(r * ld + j * GROUP)) };
+            }
+        }
+    }
+    for p in 0..pairs {
+        let ap = a.wrapping_add(p * 2 * MR512);
+        for j in 0..G {
+            let q = gs[j].wrapping_add(p * wpp(K));
+            if pf {
+                prefetch(q);
+            }
+            // SAFETY: q is pair p of group j and ap pair p of the packed block (the contract).
+            unsafe {
+                let w = widen512::<K, true>(q);
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(*ap.add(r)), w, acc[j]);
+                }
+                let w = widen512::<K, false>(q);
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(*ap.add(MR512 + r)), w, acc[j]);
+                }
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        for (j, &acc) in acc.iter().enumerate().take(live) {
+            // SAFETY: as above.
+            unsafe { _mm512_storeu_ps(dst.add(r * ld + j * GROUP), acc) };
         }
     }
 }
