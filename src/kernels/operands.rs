@@ -272,9 +272,6 @@ pub(crate) struct PlainOperands<'a, T> {
 
 /// Row tile of the bf16/f16/f32 kernels: a multiple of every micro-kernel's row count (12, 6, 4).
 const PLAIN_MC: usize = 96;
-/// k-pairs per k-block (512 values of K; measured best of 64, 128, 256, 384, 512 and 2048 pairs on the
-/// Llama-3-8B shape at M = 512, README).
-const KC_PAIRS: usize = 256;
 
 impl<T: Element> Operands for PlainOperands<'_, T> {
     const MC: usize = PLAIN_MC;
@@ -288,13 +285,13 @@ impl<T: Element> Operands for PlainOperands<'_, T> {
         debug_assert_eq!(i0 % set.mr, 0);
         let skip = (i0 / set.mr) * set.block_len();
         let a = PackedRows { f: set.f.get(skip..).unwrap_or(&[]), p: set.p.get(skip..).unwrap_or(&[]), ..set };
-        // k-blocks of KC pairs: the block of W (32 KiB for two bf16 groups) stays in L1/L2 and the
+        // k-blocks of `plain_kc` pairs: the block of W (32 KiB for two bf16 groups) stays in L1/L2 and the
         // rows' block in L2 while every micro-tile of the task uses them; the accumulators
         // continue through `out`, so the chain (the canonical order) is the same. A decode uses
         // each weight once: one k-block, so each group is one sequential stream (on Zen 4, k-blocks
         // here made bf16 decode from DRAM 1.7× a plain read instead of 1.3×).
         let pairs = self.w.pairs;
-        let kc = if rows.len() <= DECODE_ROWS { pairs.max(1) } else { KC_PAIRS };
+        let kc = if rows.len() <= DECODE_ROWS { pairs.max(1) } else { crate::simd::plain_kc(token) };
         for (bi, p0) in (0..pairs).step_by(kc).enumerate() {
             let p1 = (p0 + kc).min(pairs);
             let panel = self.w.panel(g0, g1, p0, p1);

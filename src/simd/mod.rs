@@ -547,6 +547,20 @@ pub(crate) fn plain_layout(token: IsaToken, kind: PlainKind) -> (usize, bool) {
     }
 }
 
+/// k-pairs per k-block of the plain kernels of `token` (a prefill's task runs every micro-tile of
+/// one k-block before the next; the chain continues through the tile, so the k-block changes no
+/// bit). AVX-512 and NEON: 256 pairs (512 values of K; measured best of 64 … 2048 pairs on the
+/// Xeon of README at M = 512). AVX2: 128 pairs, so one group's block (16 KiB of f32, 8 KiB of
+/// bf16) stays in a 32 KiB L1 while the activations stream past it (Zen 3, Llama-3-8B M = 512,
+/// interleaved runs: f32 medians +6 % on one thread, +9 % on two; bf16 +1-5 %; README). The
+/// Intel sessions measured AVX2 k-blocks of 32-256 pairs within noise of each other.
+pub(crate) fn plain_kc(token: IsaToken) -> usize {
+    match token.0 {
+        Isa::Avx2 => 128,
+        _ => 256,
+    }
+}
+
 /// Multiplies `n` packed activation rows (pairs `p0 ..` of them) with every column of the panel
 /// block `w` (pairs `p0 .. p0 + w.pairs`): `out[i·ld + c]` for row `i` and panel column `c`, in the
 /// canonical order of [`plain`], continuing the chains from the values in `out` when `acc_in`.

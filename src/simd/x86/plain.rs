@@ -47,11 +47,19 @@ const PREFETCH: usize = 1024;
 
 #[inline(always)]
 fn prefetch(p: *const u32) {
-    // wrapping_add: the address may lie past the group; a prefetch never faults and the pointer
-    // is never dereferenced.
-    let q = p.cast::<u8>().wrapping_add(PREFETCH);
-    // SAFETY: `_mm_prefetch` is a hint with no memory access semantics; SSE is part of x86-64.
-    unsafe { _mm_prefetch::<_MM_HINT_T0>(q.cast()) }
+    // wrapping_add: the address may lie past the group (a prefetch never faults).
+    hint(p.cast::<u8>().wrapping_add(PREFETCH).cast());
+}
+
+/// u32 words per 64-byte cache line.
+const LINE_WORDS: usize = 16;
+
+/// Prefetches the line at `p` into L1.
+#[inline(always)]
+fn hint(p: *const u32) {
+    // SAFETY: `_mm_prefetch` is a hint with no memory access semantics: `p` may lie anywhere (it
+    // never faults and is never dereferenced); SSE is part of x86-64.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
 }
 
 /// Rows at which a micro-tile stops streaming (and prefetching) the weight: beyond it the weight
@@ -447,12 +455,27 @@ pub(crate) unsafe fn panel_avx2(
         }
         return;
     }
+    // While one group's k-block is multiplied with every row block, the weight's next block (the
+    // next group's, after the last group the first group's next k-block) is prefetched, a share
+    // of its lines before each row block: it lies a whole group (the weight's K) away, where the
+    // hardware prefetcher does not look, so each block's first micro-tile waited on DRAM. Zen 3,
+    // Llama-3-8B M = 512, one thread, interleaved runs of one driver: medians +1-4 % (f32,
+    // bf16), bests +4-5 % (README). Software prefetch of the *current* stream hurt decode on AMD
+    // ([`crate::simd::prefetch_weights`]); this one is of a stream the hardware cannot predict.
+    let wp = wpp(kind_id(w.kind));
+    let lines = pairs * wp / LINE_WORDS;
+    let per = lines.div_ceil(n.div_ceil(MR256));
+    let base = w.data.as_ptr();
     for g in 0..w.groups {
-        let q = w.data.as_ptr().wrapping_add(g * w.stride);
+        let q = base.wrapping_add(g * w.stride);
+        let next = base.wrapping_add(if g + 1 < w.groups { (g + 1) * w.stride } else { pairs * wp });
         for (b, i) in (0..n).step_by(MR256).enumerate() {
             let rows = (n - i).min(MR256);
             let ab = a.f.as_ptr().wrapping_add(b * a.block_len() + p0 * 2 * MR256);
             let dst = out.as_mut_ptr().wrapping_add(i * ld + g * GROUP);
+            for l in b * per..((b + 1) * per).min(lines) {
+                hint(next.wrapping_add(l * LINE_WORDS));
+            }
             // SAFETY: as in `panel_avx512`, one group at a time, 6-row blocks.
             unsafe {
                 match (kind_id(w.kind), rows) {
