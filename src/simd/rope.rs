@@ -266,7 +266,9 @@ pub(crate) fn rotate_heads_from<T: Element>(
     let at = if interleaved { d - rd } else { 0 };
     #[cfg(target_arch = "x86_64")]
     if matches!(token.0, Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx2) && T::DTYPE != DType::F8E4M3 {
-        use super::x86::rope::{BF16, F16, F32, half_fast_path, heads_avx2, heads_avx512, heads_half_avx512};
+        use super::x86::rope::{
+            BF16, F16, F32, half_fast_path, heads_avx2, heads_avx512, heads_half_avx2, heads_half_avx512,
+        };
         if let Some(s) = src
             && rd < d
         {
@@ -284,17 +286,20 @@ pub(crate) fn rotate_heads_from<T: Element>(
             DType::F16 => F16,
             _ => F32,
         };
-        if token.0 != Isa::Avx2 && half_fast_path(kind, interleaved, r, rd / 2) {
-            // SAFETY: the token proves AVX-512 F and BW; x (and src, a distinct borrow when
-            // given, so not overlapping) holds heads · d elements of T, whose kind (and so size)
-            // the match selects; `half_fast_path` checked the pairing, the math and that the
-            // rotary half (rd ≤ d) is whole vectors; the asserts above prove the lengths of the
-            // half-split forms in `row`.
+        if half_fast_path(kind, interleaved, r, rd / 2) {
+            // SAFETY: the token proves AVX-512 F and BW (AVX2, FMA and F16C for `Avx2`); x (and
+            // src, a distinct borrow when given, so not overlapping) holds heads · d elements of
+            // T, whose kind (and so size) the match selects; `half_fast_path` checked the
+            // pairing, the math and that the rotary half (rd ≤ d) is whole vectors; the asserts
+            // above prove the lengths of the half-split forms in `row`.
             unsafe {
-                match kind {
-                    BF16 => heads_half_avx512::<BF16>(from, p, heads, d, rd / 2, row),
-                    F16 => heads_half_avx512::<F16>(from, p, heads, d, rd / 2, row),
-                    _ => heads_half_avx512::<F32>(from, p, heads, d, rd / 2, row),
+                match (token.0 == Isa::Avx2, kind) {
+                    (false, BF16) => heads_half_avx512::<BF16>(from, p, heads, d, rd / 2, row),
+                    (false, F16) => heads_half_avx512::<F16>(from, p, heads, d, rd / 2, row),
+                    (false, _) => heads_half_avx512::<F32>(from, p, heads, d, rd / 2, row),
+                    (true, BF16) => heads_half_avx2::<BF16>(from, p, heads, d, rd / 2, row),
+                    (true, F16) => heads_half_avx2::<F16>(from, p, heads, d, rd / 2, row),
+                    (true, _) => heads_half_avx2::<F32>(from, p, heads, d, rd / 2, row),
                 }
             }
             return;
