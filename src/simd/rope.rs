@@ -116,16 +116,23 @@ impl RopeRow<'_> {
     pub fn fill_with<F: Element>(token: IsaToken, row: &[F], buf: &mut [f32], interleaved: bool) {
         let (rd, h) = (row.len(), row.len() / 2);
         #[cfg(target_arch = "x86_64")]
-        if matches!(token.0, Isa::Avx512 | Isa::Avx512Bf16) && !interleaved && h > 0 && h.is_multiple_of(32) {
+        if matches!(token.0, Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx2) && !interleaved && h > 0 && h.is_multiple_of(32)
+        {
             let (forms, rest) = buf.split_at_mut(2 * rd);
             let scratch = &mut rest[..rd];
             widen(token, row, scratch);
             let (c, forms) = forms.split_at_mut(h);
             let (s, forms) = forms.split_at_mut(h);
             let (cd, sd) = forms.split_at_mut(h);
-            // SAFETY: the token proves AVX-512 F was detected; c, s, cd and sd are h long, h is a
-            // multiple of 32 and `scratch` holds the 2h widened freqs.
-            unsafe { super::x86::rope::fill_half_avx512(scratch, c, s, cd, sd) };
+            // SAFETY: the token proves AVX-512 F (AVX2 for `Avx2`) was detected; c, s, cd and sd
+            // are h long, h is a multiple of 32 and `scratch` holds the 2h widened freqs.
+            unsafe {
+                if token.0 == Isa::Avx2 {
+                    super::x86::rope::fill_half_avx2(scratch, c, s, cd, sd)
+                } else {
+                    super::x86::rope::fill_half_avx512(scratch, c, s, cd, sd)
+                }
+            };
             return;
         }
         let _ = (token, rd, h);

@@ -133,6 +133,48 @@ pub(crate) unsafe fn fill_half_avx512(row: &[f32], c: &mut [f32], s: &mut [f32],
 // ---------------------------------------------------------------------------------------------
 // AVX2 (8 lanes)
 
+/// [`fill_half_avx512`] on AVX2: the same values, de-interleaved by `vshufps` + `vpermpd` (two
+/// operations per 8 values) instead of the portable loop per value (which was 10 % of a
+/// Qwen-shaped bf16 RoPE call on Zen 3 with the data in L1; 8 Qwen tokens, best of 20000 calls,
+/// three alternating runs: 1.92–2.00 → 1.80–1.82 µs).
+///
+/// # Safety
+/// AVX2 must be available; as [`fill_half_avx512`] otherwise.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn fill_half_avx2(row: &[f32], c: &mut [f32], s: &mut [f32], cd: &mut [f32], sd: &mut [f32]) {
+    let h = c.len();
+    debug_assert!(h.is_multiple_of(32) && row.len() == 2 * h && s.len() == h && cd.len() == h && sd.len() == h);
+    let canon = |v: __m256| _mm256_blendv_ps(v, _mm256_set1_ps(f32::NAN), _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+    // The even and the odd elements of the 16 values a, b, in order.
+    let split = |a: __m256, b: __m256| {
+        let e = _mm256_castpd_ps(_mm256_permute4x64_pd::<0xD8>(_mm256_castps_pd(_mm256_shuffle_ps::<0x88>(a, b))));
+        let o = _mm256_castpd_ps(_mm256_permute4x64_pd::<0xD8>(_mm256_castps_pd(_mm256_shuffle_ps::<0xDD>(a, b))));
+        (e, o)
+    };
+    for b in (0..h).step_by(32) {
+        // SAFETY: values 2b .. 2b + 64 of row (2b + 64 ≤ 2h) and b .. b + 32 of each form.
+        unsafe {
+            let p = row.as_ptr().add(2 * b);
+            let f: [__m256; 8] = std::array::from_fn(|i| canon(_mm256_loadu_ps(p.add(8 * i))));
+            let mut cv = [_mm256_setzero_ps(); 4];
+            let mut sv = [_mm256_setzero_ps(); 4];
+            for j in 0..4 {
+                (cv[j], sv[j]) = split(f[2 * j], f[2 * j + 1]);
+                _mm256_storeu_ps(c.as_mut_ptr().add(b + 8 * j), cv[j]);
+                _mm256_storeu_ps(s.as_mut_ptr().add(b + 8 * j), sv[j]);
+            }
+            for (v, out) in [(cv, cd.as_mut_ptr()), (sv, sd.as_mut_ptr())] {
+                let (e0, o0) = split(v[0], v[1]);
+                let (e1, o1) = split(v[2], v[3]);
+                _mm256_storeu_ps(out.add(b), e0);
+                _mm256_storeu_ps(out.add(b + 8), e1);
+                _mm256_storeu_ps(out.add(b + 16), o0);
+                _mm256_storeu_ps(out.add(b + 24), o1);
+            }
+        }
+    }
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn round256(v: __m256, r: Round) -> __m256 {
