@@ -556,7 +556,8 @@ pub(crate) fn plain_layout(token: IsaToken, kind: PlainKind) -> (usize, bool) {
 /// Intel sessions measured AVX2 k-blocks of 32-256 pairs within noise of each other.
 pub(crate) fn plain_kc(token: IsaToken) -> usize {
     match token.0 {
-        Isa::Avx2 => 128,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => x86::plain::KC256,
         _ => 256,
     }
 }
