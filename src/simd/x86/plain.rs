@@ -8,7 +8,9 @@
 //! of the bytes, AVX-512 F 1.7–1.9× → 1.2–1.3×, README).
 //!
 //! Weights are widened in registers: bf16 by a mask (odd element, the high half of a word) or a
-//! shift (even element), f16 by `vcvtph2ps`, f32 as loaded. Activations are broadcast from memory
+//! shift (even element), f16 by `vcvtph2ps`, f32 as loaded — except on AVX2 when more than one
+//! row block uses a group's k-block: it is then widened once into an f32 buffer (the same
+//! values) and the f32 micro-kernel runs on it. Activations are broadcast from memory
 //! one element at a time (f32) or one bf16 pair at a time (`vdpbf16ps`). Each accumulator is one
 //! output column vector of one row, updated in the canonical order: odd element of a pair, then
 //! even.
