@@ -183,6 +183,7 @@ pub(crate) const DECODE_ROWS: usize = 2;
 /// plain read of the bytes). AMD: no — on Zen 4 the same `prefetcht0` 1 KiB ahead made bf16
 /// decode from DRAM ~1.45× instead of ~1.25× a plain read, and `prefetcht1` gained nothing over
 /// the hardware prefetcher (README "Performance").
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // its callers are the x86 kernels
 pub(crate) fn prefetch_weights() -> bool {
     !is_amd()
 }
