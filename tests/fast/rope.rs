@@ -145,6 +145,63 @@ fn rope_wide_heads_every_isa_bit_for_bit() {
     }
 }
 
+/// The output placed at chosen distances past `q` (one allocation): 0, 16 and 48 bytes modulo
+/// 4 KiB take the f32 one-pass path (where a `memcpy` of the row would fall off glibc's `rep
+/// movsb` cliff on AMD), 64 and 2 KiB the copy and the rotation in place; either way every ISA
+/// equals the oracle bit for bit, also at the rows' partial-rotary dims the one pass copies.
+#[test]
+fn rope_output_near_q_every_isa_bit_for_bit() {
+    fn check<T: Element>(rng: &mut Rng) {
+        let (lens, hq, d, page) = ([3usize, 2], 3, 128, 4);
+        let m: usize = lens.iter().sum();
+        let n = m * hq * d;
+        let shape = CacheShape::mha(16, 1, page, 1, d).unwrap();
+        let pg = pages(rng, &[1, 6], &lens, page, 16);
+        let offs = offsets(&lens);
+        let q: Vec<T> = (0..n).map(|_| T::from_f32(rng.normal())).collect();
+        for gap in [0usize, 16, 48, 64, 2048] {
+            let size = size_of::<T>();
+            for (interleaved, rd) in [(false, 128), (false, 96), (true, 96)] {
+                let f: Vec<f32> = freqs(8, rd);
+                let run = |e: Option<Exec>| -> (Vec<u32>, Vec<u32>) {
+                    // q at the start of `buf`, the output `gap` bytes past it modulo 4 KiB.
+                    let pad = (gap + 4096 - (n * size) % 4096) % 4096 / size;
+                    let mut buf = q.clone();
+                    buf.resize(2 * n + pad, T::from_f32(-3.0));
+                    let (qs, rest) = buf.split_at_mut(n);
+                    let out = &mut rest[pad..];
+                    assert_eq!((out.as_ptr() as usize - qs.as_ptr() as usize) % 4096, gap);
+                    let args = RopeRaggedArgs {
+                        q_proj: qs,
+                        input_row_offsets: &offs,
+                        num_q_heads: hq,
+                        q_head_size: d,
+                        freqs_cis: &f,
+                        rope_dim: rd,
+                        position_ids: None,
+                        interleaved,
+                    };
+                    let mut cache: PagedKvCache<T> = random_cache(&mut Rng::new(5), shape);
+                    let table = PageTable::new(&pg.lookup, pg.cols, &pg.cache_lengths).unwrap();
+                    let mut kv = KvWrite::new(cache.view_mut(), table, 0);
+                    match e {
+                        Some(e) => fast::rope_ragged(&args, out, &mut kv, RopeMath::F32, e).unwrap(),
+                        None => reference::rope_ragged(&args, out, &mut kv, RopeMath::F32).unwrap(),
+                    }
+                    (bits(out), bits(cache.data()))
+                };
+                let want = run(None);
+                for e in execs() {
+                    assert_eq!(run(Some(e)), want, "{e:?} gap {gap} interleaved {interleaved} rd {rd}");
+                }
+            }
+        }
+    }
+    let mut rng = Rng::new(73);
+    check::<f32>(&mut rng);
+    check::<bf16>(&mut rng);
+}
+
 /// f32 freqs holding NaNs whose payload fills the low 16 bits (and an infinity): rounding such a
 /// NaN to bf16 like a number would carry into the sign (`0x7FFF_FFFF` → −0) or the exponent. Every
 /// ISA must give NaN where the oracle does (sign and payload are not promised) and equal bits
