@@ -14,7 +14,7 @@ use crate::element::Element;
 use crate::ops::RopeMath;
 use crate::pool::Pooled;
 use crate::simd::IsaToken;
-use crate::simd::rope::{RopeRow, Round, narrow, rotate_heads, rotate_heads_from, widen};
+use crate::simd::rope::{RopeRow, Round, narrow, rotate_heads, rotate_token, widen};
 use rayon::prelude::*;
 
 /// The first element of each row's slot in layer `layer`, plus `offset` (the V part, or 0).
@@ -58,15 +58,16 @@ impl<F: Element> RopeSpec<'_, F> {
         let row = RopeRow::view(&bufs.0, rd, self.interleaved);
         if size_of::<T>() == 2 || memcpy_cliff(q.as_ptr(), out.as_ptr()) {
             // bf16/f16: one pass from q into out (measured: 0.57 vs 0.82 ms for 512 Llama tokens).
-            rotate_heads_from(token, Some(q), out, self.q_heads, &row, self.interleaved, self.round(), &mut bufs.1);
+            let (i, r) = (self.interleaved, self.round());
+            rotate_token(token, q, out, self.q_heads, k, self.k_heads, &row, i, r, &mut bufs.1);
         } else {
             // f32: a copy then the rotation in place measured faster than the one pass (0.96 vs
             // 1.17 ms for 512 Llama tokens, Intel Xeon; the cause was not found) — except where
             // the copy falls off `memcpy_cliff`.
             out.copy_from_slice(q);
             rotate_heads(token, out, self.q_heads, &row, self.interleaved, self.round(), &mut bufs.1);
+            rotate_heads(token, k, self.k_heads, &row, self.interleaved, self.round(), &mut bufs.1);
         }
-        rotate_heads(token, k, self.k_heads, &row, self.interleaved, self.round(), &mut bufs.1);
     }
 }
 

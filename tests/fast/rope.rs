@@ -121,7 +121,8 @@ fn rope_ragged_every_isa_bit_for_bit() {
 }
 
 /// Whole-head and wide partial rotary (the vector paths: 32-element bf16 steps, 16-lane steps and
-/// scalar tails), every element type, both pairings and math modes, against the oracle.
+/// scalar tails), every element type, Q and cache of the same or different types, both pairings
+/// and math modes, against the oracle.
 #[test]
 fn rope_wide_heads_every_isa_bit_for_bit() {
     let mut rng = Rng::new(72);
@@ -142,6 +143,10 @@ fn rope_wide_heads_every_isa_bit_for_bit() {
         check_ragged::<bf16, f32, bf16>(&mut rng, &c);
         check_ragged::<f16, f16, f16>(&mut rng, &c);
         check_ragged::<f32, f32, f32>(&mut rng, &c);
+        // Q and cache of different types (each set on its own kernel).
+        check_ragged::<bf16, f32, f16>(&mut rng, &c);
+        check_ragged::<f16, f16, f32>(&mut rng, &c);
+        check_ragged::<f32, f32, bf16>(&mut rng, &c);
     }
 }
 
