@@ -282,7 +282,7 @@ pub(crate) fn rotate_heads_from<T: Element>(
     let at = if interleaved { d - rd } else { 0 };
     #[cfg(target_arch = "x86_64")]
     if matches!(token.0, Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx2) && T::DTYPE != DType::F8E4M3 {
-        use super::x86::rope::{BF16, F16, F32, half_fast_path, heads_avx2, heads_avx512};
+        use super::x86::rope::{BF16, F16, F32, heads_avx2, heads_avx512};
         if let Some(s) = src
             && rd < d
         {
@@ -296,7 +296,7 @@ pub(crate) fn rotate_heads_from<T: Element>(
         let p = x.as_mut_ptr().cast::<u8>();
         let from = src.map_or(p.cast_const(), |s| s.as_ptr().cast::<u8>());
         let kind = x86_kind::<T>();
-        if half_fast_path(kind, interleaved, r, rd / 2) {
+        if half_kernel::<T>(token, interleaved, r, rd / 2).is_some() {
             // SAFETY: the token proves AVX-512 F and BW (AVX2, FMA and F16C for `Avx2`); x (and
             // src, a distinct borrow when given, so not overlapping) holds heads · d elements of
             // T, whose kind (and so size) is `kind`; `half_fast_path` checked the pairing, the
@@ -361,6 +361,15 @@ fn x86_kind<T: Element>() -> u8 {
     }
 }
 
+/// `T`'s kind ([`x86_kind`]) when `token`'s half-split `F32` head kernel takes heads of `T` with
+/// a rotary half of `hh` pairs (an x86 level, not E4M3, `half_fast_path`), else `None`.
+#[cfg(target_arch = "x86_64")]
+fn half_kernel<T: Element>(token: IsaToken, interleaved: bool, r: Round, hh: usize) -> Option<u8> {
+    let x86 = matches!(token.0, Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx2) && T::DTYPE != DType::F8E4M3;
+    let kind = x86_kind::<T>();
+    (x86 && super::x86::rope::half_fast_path(kind, interleaved, r, hh)).then_some(kind)
+}
+
 /// The half-split `F32` head kernel of `token`'s x86 level (`heads_half_avx2` or
 /// `heads_half_avx512`) for elements of `kind`.
 ///
@@ -417,23 +426,18 @@ pub(crate) fn rotate_token<T: Element, C: Element>(
 ) {
     #[cfg(target_arch = "x86_64")]
     {
-        use super::x86::rope::half_fast_path;
         let (hh, ((hq, dq), (hk, dk))) = (row.c.len(), (q_heads, k_heads));
-        let (kq, kk) = (x86_kind::<T>(), x86_kind::<C>());
-        if matches!(token.0, Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx2)
-            && T::DTYPE != DType::F8E4M3
-            && C::DTYPE != DType::F8E4M3
+        if let (Some(kq), Some(kk)) =
+            (half_kernel::<T>(token, interleaved, r, hh), half_kernel::<C>(token, interleaved, r, hh))
             && 2 * hh == dq
             && 2 * hh == dk
-            && half_fast_path(kq, interleaved, r, hh)
-            && half_fast_path(kk, interleaved, r, hh)
         {
             assert!(q.len() >= hq * dq && out.len() >= hq * dq && k.len() >= hk * dk);
             assert!(row.s.len() == hh && row.cd.len() == hh && row.sd.len() == hh);
-            // SAFETY: the token is an x86 level the kernels run on (matched above); `q`, `out`
+            // SAFETY: the token is an x86 level the kernels run on and the rotary half is whole
+            // vectors for both kinds (`half_kernel`), and the whole head (2 · hh = d); `q`, `out`
             // hold hq · dq elements of T and `k` hk · dk of C (asserted), `q` and `out` are
-            // distinct borrows (not overlapping) and `k` is rotated in place; the rotary half is
-            // whole vectors (`half_fast_path`) and the whole head (2 · hh = d); `row` holds the
+            // distinct borrows (not overlapping) and `k` is rotated in place; `row` holds the
             // half-split forms of hh pairs (asserted, `c` by its length).
             unsafe {
                 heads_half_x86(token, kq, q.as_ptr().cast(), out.as_mut_ptr().cast(), hq, dq, hh, row);
