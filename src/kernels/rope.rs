@@ -14,7 +14,7 @@ use crate::element::Element;
 use crate::ops::RopeMath;
 use crate::pool::Pooled;
 use crate::simd::IsaToken;
-use crate::simd::rope::{RopeRow, Round, narrow, rotate_heads, rotate_token, widen};
+use crate::simd::rope::{RopeRow, Round, narrow, rotate_token, widen};
 use rayon::prelude::*;
 
 /// The first element of each row's slot in layer `layer`, plus `offset` (the V part, or 0).
@@ -56,30 +56,16 @@ impl<F: Element> RopeSpec<'_, F> {
         bufs.1.resize(rd, 0.0);
         RopeRow::fill_with(token, &self.freqs[p * rd..(p + 1) * rd], &mut bufs.0, self.interleaved);
         let row = RopeRow::view(&bufs.0, rd, self.interleaved);
-        if size_of::<T>() == 2 || memcpy_cliff(q.as_ptr(), out.as_ptr()) {
-            // bf16/f16: one pass from q into out (measured: 0.57 vs 0.82 ms for 512 Llama tokens).
-            let (i, r) = (self.interleaved, self.round());
-            rotate_token(token, q, out, self.q_heads, k, self.k_heads, &row, i, r, &mut bufs.1);
-        } else {
-            // f32: a copy then the rotation in place measured faster than the one pass (0.96 vs
-            // 1.17 ms for 512 Llama tokens, Intel Xeon; the cause was not found) — except where
-            // the copy falls off `memcpy_cliff`.
-            out.copy_from_slice(q);
-            rotate_heads(token, out, self.q_heads, &row, self.interleaved, self.round(), &mut bufs.1);
-            rotate_heads(token, k, self.k_heads, &row, self.interleaved, self.round(), &mut bufs.1);
-        }
+        // Every element type in one pass from q into out. f32 used to copy the Q row and rotate
+        // it in place (an Intel Xeon had measured that faster: 0.96 vs 1.17 ms for 512 Llama
+        // tokens, cause not found), but glibc's `memcpy` of a row that size (`rep movsb`) runs
+        // 5–20× slower on AMD Zen 3 when the output lies 1–31 bytes past `q` modulo 4 KiB, and
+        // away from that distance the one pass measured faster on Zen 3 too (one core, best of
+        // 300–5000 calls, alternating binaries: 64 Llama tokens 67–68 → 44–54 µs, 64 Qwen tokens
+        // 15.8–16.1 → 11.5–11.7 µs, 512 Qwen tokens 131–182 → 93–121 µs; criterion, README).
+        let (i, r) = (self.interleaved, self.round());
+        rotate_token(token, q, out, self.q_heads, k, self.k_heads, &row, i, r, &mut bufs.1);
     }
-}
-
-/// Whether `dst` lies 1–63 bytes past `src` modulo 4 KiB. glibc's `memcpy` copies more than
-/// about 2 KiB with `rep movsb`, which on AMD Zen 3 (glibc 2.36) runs 5–20× slower at those
-/// distances: a 16 KiB copy swept over every distance was > 3× slower exactly at 1–31 bytes
-/// (63 leaves a margin for other cores), and the f32 RoPE of 64 Llama-shaped tokens, whose copy
-/// of a token's Q row is such a copy, took 400–420 µs instead of 72–90 with the output 16 bytes
-/// past `q` (mod 4 KiB), while the one pass took 50–65 µs at every distance (best of 3000 calls,
-/// one core). Which distance a caller's buffers have is up to its allocator.
-fn memcpy_cliff<T>(src: *const T, dst: *const T) -> bool {
-    (1..64).contains(&(dst.addr().wrapping_sub(src.addr()) % 4096))
 }
 
 /// Rows below which a call runs on the calling thread (a decode step's few tokens), and the

@@ -151,9 +151,10 @@ fn rope_wide_heads_every_isa_bit_for_bit() {
 }
 
 /// The output placed at chosen distances past `q` (one allocation): 0, 16 and 48 bytes modulo
-/// 4 KiB take the f32 one-pass path (where a `memcpy` of the row would fall off glibc's `rep
-/// movsb` cliff on AMD), 64 and 2 KiB the copy and the rotation in place; either way every ISA
-/// equals the oracle bit for bit, also at the rows' partial-rotary dims the one pass copies.
+/// 4 KiB (where a `memcpy` of the row falls off glibc's `rep movsb` cliff on AMD: the f32 path
+/// once copied there, and took a separate branch at those distances), 64 and 2 KiB; at every one
+/// every ISA equals the oracle bit for bit, also at the rows' partial-rotary dims the one pass
+/// copies.
 #[test]
 fn rope_output_near_q_every_isa_bit_for_bit() {
     fn check<T: Element>(rng: &mut Rng) {
