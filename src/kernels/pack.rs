@@ -415,12 +415,16 @@ impl<T: Element> PackedPlainWeights<T> {
     pub(crate) fn panel(&self, g0: usize, g1: usize, p0: usize, p1: usize) -> PlainPanel<'_> {
         let wpp = self.kind.words_per_pair();
         let glen = self.pairs * wpp;
+        // A task walks its panel's k-blocks in order; the next task of a thread is usually the
+        // same row tile's next panel (`schedule::run`).
+        let next = if p1 < self.pairs { g0 * glen + p1 * wpp } else { g1 * glen };
         PlainPanel {
             data: &self.data[g0 * glen + p0 * wpp..(g1 - 1) * glen + p1 * wpp],
             groups: g1 - g0,
             pairs: p1 - p0,
             stride: glen,
             kind: self.kind,
+            next: self.data.get(next..).unwrap_or(&[]),
         }
     }
 

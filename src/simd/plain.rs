@@ -91,6 +91,11 @@ pub(crate) struct PlainPanel<'a> {
     pub pairs: usize,
     pub stride: usize,
     pub kind: PlainKind,
+    /// The packed weight from where the same task reads next: the next k-block of these groups
+    /// or, after the last one, the next column panel at pair 0 (its groups at the same `stride`);
+    /// empty when nothing follows. Only prefetched ([`crate::simd::x86`]'s prefill tiles), never
+    /// read.
+    pub next: &'a [u32],
 }
 
 impl<'a> PlainPanel<'a> {
