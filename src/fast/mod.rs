@@ -556,7 +556,7 @@ fn run_plain<T: Element, D: Dest>(
     token: IsaToken,
     head: usize,
 ) {
-    let acts = PlainActs::prepare(x, m, w.k(), token, w.kind, dest.kv_rows());
+    let acts = PlainActs::prepare(x, m, w.k(), token, w.kind, dest.kv_rows(), exec.parallel());
     let src = PlainOperands { w, a: &acts, bias };
     let panels = Panels::new(w.rows(), Panels::target(head), |c| dest.may_cut(c));
     run(&src, dest, m, token, exec.parallel(), &panels);

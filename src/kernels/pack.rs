@@ -439,6 +439,10 @@ impl<T: Element> PackedPlainWeights<T> {
 /// Most rows of a packed block (every micro-kernel's MR: 12, 6, 4).
 const MAX_MR: usize = 16;
 
+/// Fewest row blocks [`PlainActs::prepare`] packs on the pool (a decode's one block stays on the
+/// calling thread).
+const PAR_PACK_BLOCKS: usize = 4;
+
 /// bf16/f16/f32 activations packed once per call in the layout of the token's micro-kernel
 /// ([`PackedRows`]): all rows in order, and (when some rows write no K/V, as padded BSHD rows) the
 /// K/V rows alone, so the K/V panels skip the padded rows without copying per task.
@@ -458,45 +462,70 @@ impl PlainActs {
         token: IsaToken,
         kind: PlainKind,
         kv_rows: Option<&[usize]>,
+        parallel: bool,
     ) -> Self {
         let pairs = k.div_ceil(2);
         let (mr, bf16_pairs) = crate::simd::plain_layout(token, kind);
-        // Written in the layout's order (block, pair, row), so nothing is zero-filled first and
-        // the writes are sequential: the earlier scatter per row wrote every 2·MR-th value of the
-        // block, after zeroing the whole buffer (together 2.3 % of a Llama-3-8B M = 512 bf16
-        // call's samples on Zen 3, now 1.25 %). A short last block repeats its last row (its
-        // results are never stored); a missing last element of an odd K is 0.
-        let pack = |row_of: &dyn Fn(usize) -> usize, n: usize| -> (Pooled<f32>, Pooled<u32>) {
+        // Each block written in the layout's order (pair, row), so the writes are sequential: the
+        // earlier scatter per row wrote every 2·MR-th value of the block (with the zeroing, 2.3 %
+        // of a Llama-3-8B M = 512 bf16 call's samples on Zen 3, then 1.25 %). A short last block
+        // repeats its last row (its results are never stored); a missing last element of an odd
+        // K is 0.
+        let pack = |row_of: &(dyn Fn(usize) -> usize + Sync), n: usize| -> (Pooled<f32>, Pooled<u32>) {
             let (mut f, mut p) = (Pooled::new(), Pooled::new());
             let blocks = n.div_ceil(mr);
-            let len = blocks * pairs * if bf16_pairs { mr } else { 2 * mr };
-            if bf16_pairs {
-                p.reserve(len);
-            } else {
-                f.reserve(len);
-            }
+            let per = pairs * if bf16_pairs { mr } else { 2 * mr };
             assert!(mr <= MAX_MR);
-            for b in 0..blocks {
+            let rows_of = |b: usize| {
                 let mut rows: [&[T]; MAX_MR] = [&[]; MAX_MR];
                 for (i, row) in rows.iter_mut().enumerate().take(mr) {
                     let r = row_of((b * mr + i).min(n - 1));
                     *row = &x[r * k..(r + 1) * k];
                 }
-                let rows = &rows[..mr];
-                for pp in 0..pairs {
-                    let (even, odd) = (2 * pp, 2 * pp + 1);
-                    if bf16_pairs {
-                        p.extend(rows.iter().map(|r| {
-                            let bits = |kk: usize| r.get(kk).map_or(0, |v| v.to_bits());
-                            bits(even) | (bits(odd) << 16)
-                        }));
-                    } else {
-                        f.extend(rows.iter().map(|r| r.get(odd).map_or(0.0, |v| v.to_f32())));
-                        f.extend(rows.iter().map(|r| r.get(even).map_or(0.0, |v| v.to_f32())));
+                rows
+            };
+            // Pair `pp` of a row: the whole pairs by index, the last one of an odd K through `get`.
+            let whole = k / 2;
+            let pack_pairs = |b: usize, dst: &mut [u32]| {
+                let rows = rows_of(b);
+                for (pp, d) in dst.chunks_exact_mut(mr).enumerate() {
+                    for (o, r) in d.iter_mut().zip(&rows[..mr]) {
+                        *o = if pp < whole {
+                            r[2 * pp].to_bits() | (r[2 * pp + 1].to_bits() << 16)
+                        } else {
+                            r.get(2 * pp).map_or(0, |v| v.to_bits())
+                        };
                     }
                 }
+            };
+            let pack_f32 = |b: usize, dst: &mut [f32]| {
+                let rows = rows_of(b);
+                for (pp, d) in dst.chunks_exact_mut(2 * mr).enumerate() {
+                    let (odd, even) = d.split_at_mut(mr);
+                    for ((o, e), r) in odd.iter_mut().zip(even.iter_mut()).zip(&rows[..mr]) {
+                        *o = if pp < whole { r[2 * pp + 1].to_f32() } else { 0.0 };
+                        *e = if pp < whole { r[2 * pp].to_f32() } else { r.get(2 * pp).map_or(0.0, |v| v.to_f32()) };
+                    }
+                }
+            };
+            // Blocks are independent: a prefill packs them on the pool (a serial pack was ~5 % of
+            // a Llama-3-8B M = 512 bf16 call on two Zen 5 threads). The buffer is zeroed first
+            // (~0.1 ms for 4 MiB): every element is then overwritten.
+            if bf16_pairs {
+                p.resize(blocks * per, 0);
+                if parallel && blocks >= PAR_PACK_BLOCKS {
+                    p.par_chunks_mut(per).enumerate().for_each(|(b, d)| pack_pairs(b, d));
+                } else {
+                    p.chunks_mut(per).enumerate().for_each(|(b, d)| pack_pairs(b, d));
+                }
+            } else {
+                f.resize(blocks * per, 0.0);
+                if parallel && blocks >= PAR_PACK_BLOCKS {
+                    f.par_chunks_mut(per).enumerate().for_each(|(b, d)| pack_f32(b, d));
+                } else {
+                    f.chunks_mut(per).enumerate().for_each(|(b, d)| pack_f32(b, d));
+                }
             }
-            debug_assert_eq!(if bf16_pairs { p.len() } else { f.len() }, len);
             (f, p)
         };
         let all = pack(&|i| i, m);
