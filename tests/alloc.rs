@@ -161,14 +161,16 @@ fn packed_fp4_calls_do_not_allocate_in_steady_state() {
 fn packed_bf16_calls_do_not_allocate_in_steady_state() {
     let w: Vec<bf16> = weights().into_iter().map(bf16::from_f32).collect();
     let packed = PackedPlainWeights::new(&w, K).unwrap();
-    let x: Vec<bf16> = (0..9 * K).map(|i| bf16::from_f32(((i as f32) * 0.11).cos())).collect();
-    let freqs = rope_table();
+    // M = 64: several row blocks, packed on the pool.
+    let x: Vec<bf16> = (0..64 * K).map(|i| bf16::from_f32(((i as f32) * 0.11).cos())).collect();
+    let freqs = paged_qkv::freqs_cis(128, HEAD, 10000.0);
     let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(8, 1, 16, HKV, HEAD).unwrap());
-    let mut q = vec![bf16::ZERO; 9 * HQ * HEAD];
+    let mut q = vec![bf16::ZERO; 64 * HQ * HEAD];
+    let lookup: Vec<u32> = (0..8).collect();
     for with_rope in [false, true] {
-        let found = steady(&[1, 9], |m, exec| {
+        let found = steady(&[1, 9, 64], |m, exec| {
             let offsets = [0u32, m as u32];
-            let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0, 1], 2, &[3]).unwrap(), 0);
+            let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&lookup, 8, &[3]).unwrap(), 0);
             let rope = with_rope.then(|| qkv_rope(&freqs));
             let args = QkvRaggedPackedArgs {
                 hidden_state: &x[..m * K],
