@@ -95,6 +95,7 @@ pub(crate) struct PlainPanel<'a> {
     /// or, after the last one, the next column panel at pair 0 (its groups at the same `stride`);
     /// empty when nothing follows. Only prefetched ([`crate::simd::x86`]'s prefill tiles), never
     /// read.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // the x86 kernels prefetch it
     pub next: &'a [u32],
 }
 
