@@ -1,7 +1,8 @@
 //! Peak loops of the instructions the kernels rely on, shared by the benches (`#[path]`): 12
-//! independent accumulator chains of one instruction (16 for `vdpbf16ps`: more than its latency
-//! × throughput), no memory operands; 24 · ITERS instructions per call. Each bench reports its kernels' ratio to
-//! the peak measured in the same run (the machine is shared: only ratios within a run mean much).
+//! independent accumulator chains of one instruction (16 for `vdpbf16ps`), more than its latency
+//! × throughput, no memory operands; 24 · ITERS instructions per call. Each bench reports its
+//! kernels' ratio to the peak measured in the same run (the machine is shared: only ratios within
+//! a run mean much).
 #![allow(dead_code)] // each bench uses some of the loops
 
 use criterion::{BenchmarkGroup, Throughput, measurement::WallTime};
