@@ -7,6 +7,10 @@
 //! Baselines: the `gemm` crate on the same (M, N, K) (f32, and f16 for f16); a plain read of the
 //! weight bytes (L3-hot, and cycling layers past the last-level cache); peak loops of the
 //! instructions the kernels rely on (`vfmadd231ps` zmm/ymm, `vdpbf16ps`), in `peak/flop`.
+//! `paired/…` groups state the targets' ratios: each kernel call runs alternately with its
+//! baseline (the peak loop of the ISA in use, a plain read, the op writing a plain matrix, the
+//! full BSHD batch), and the median per-pair ratio is printed (`common/paired.rs`), so the VM's
+//! drift between groups stays out of the ratio.
 
 use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main, measurement::WallTime};
 use paged_qkv::fast::{PackedPlainWeights, QkvBshdPackedArgs, QkvRaggedPackedArgs, matmul_plain_packed};
@@ -82,6 +86,20 @@ fn fused<T: Element>(x: &[T], w: &PackedPlainWeights<T>, q_dim: usize, out: &mut
     let args =
         QkvRaggedPackedArgs { hidden_state: x, input_row_offsets: &offs, weight: w, bias: None, q_dim, rope: None };
     paged_qkv::fast::qkv_ragged_packed(&args, out, &mut c.kv(), e).unwrap();
+}
+
+/// A padded BSHD batch of 8 sequences of 64 tokens with valid lengths `valid`.
+fn bshd(x: &[bf16], w: &PackedPlainWeights<bf16>, valid: &[u32; 8], q_dim: usize, out: &mut [bf16], c: &mut Cache) {
+    let args = QkvBshdPackedArgs {
+        hidden_state: x,
+        batch: 8,
+        seq_len: 64,
+        weight: w,
+        valid_lengths: valid,
+        q_dim,
+        rope: None,
+    };
+    paged_qkv::fast::qkv_bshd_packed(&args, out, &mut c.kv(), exec()).unwrap()
 }
 
 fn plain_read(bytes: &[u8]) -> u64 {
@@ -204,29 +222,88 @@ fn compute(c: &mut Criterion) {
                 }
                 if m == 512 {
                     // 8 sequences padded to 64: all valid, or valid lengths summing to half.
-                    for (name, valid) in [("full", [64u32; 8]), ("half", [64, 0, 64, 0, 32, 32, 48, 16])] {
+                    for (name, valid) in [("full", [64u32; 8]), ("half", HALF_VALID)] {
                         let mut cache = cache_for(&model, 8, 64);
                         g.bench_function(format!("bshd_bf16_{name}_t{threads}"), |b| {
-                            p.install(|| {
-                                b.iter(|| {
-                                    let args = QkvBshdPackedArgs {
-                                        hidden_state: &x_bf,
-                                        batch: 8,
-                                        seq_len: 64,
-                                        weight: &pw_bf,
-                                        valid_lengths: &valid,
-                                        q_dim,
-                                        rope: None,
-                                    };
-                                    paged_qkv::fast::qkv_bshd_packed(&args, &mut out, &mut cache.kv(), exec()).unwrap()
-                                })
-                            })
+                            p.install(|| b.iter(|| bshd(&x_bf, &pw_bf, &valid, q_dim, &mut out, &mut cache)))
                         });
                     }
                 }
             }
             g.finish();
+            if m == 512 && model.name == LLAMA.name {
+                let gname = format!("paired/{}/m{m}/flop", model.name);
+                let mut g = setup_group(c, &gname);
+                for threads in [1usize, 2] {
+                    let p = pool(threads);
+                    let mut out = vec![bf16::ZERO; m * q_dim];
+                    let mut cache = cache_for(&model, 1, m);
+                    let flop = (2 * m * n * k) as u64;
+                    for (dt, bf) in [("bf16", true), ("f32", false)] {
+                        let Some((pname, _, per, f)) = peak_for(bf) else { continue };
+                        let mut kern = || match bf {
+                            true => fused(&x_bf, &pw_bf, q_dim, &mut out, &mut cache, exec()),
+                            false => fused(&x_f32, &pw_f32, q_dim, &mut out, &mut cache, exec()),
+                        };
+                        let mut base = || peak_call(f, threads);
+                        let (id, pw) = (format!("fused_{dt}_t{threads}"), peak::ops(per) * threads as u64);
+                        let kern = Side { name: &id, work: flop, run: &mut kern };
+                        let peak = Side { name: &format!("{pname}_t{threads}"), work: pw, run: &mut base };
+                        paired::run(&mut g, &gname, &p, kern, peak);
+                    }
+                    // Two calls of the op, both counted as the full batch's FLOP (so the inverse of
+                    // the ratio is the time ratio).
+                    let mut plain = vec![bf16::ZERO; m * n];
+                    let mut kern = || fused(&x_bf, &pw_bf, q_dim, &mut out, &mut cache, exec());
+                    let mut base = || matmul_plain_packed(&x_bf, &pw_bf, None, &mut plain, exec()).unwrap();
+                    let id = format!("fused_vs_plain_bf16_t{threads}");
+                    paired::run(
+                        &mut g,
+                        &gname,
+                        &p,
+                        Side { name: &id, work: flop, run: &mut kern },
+                        Side { name: "plain_matrix_bf16", work: flop, run: &mut base },
+                    );
+                    let (mut half_cache, mut full_cache) = (cache_for(&model, 8, 64), cache_for(&model, 8, 64));
+                    let (mut half_out, mut full_out) = (vec![bf16::ZERO; m * q_dim], vec![bf16::ZERO; m * q_dim]);
+                    let id = format!("bshd_half_vs_full_bf16_t{threads}");
+                    let mut kern = || bshd(&x_bf, &pw_bf, &HALF_VALID, q_dim, &mut half_out, &mut half_cache);
+                    let mut base = || bshd(&x_bf, &pw_bf, &[64; 8], q_dim, &mut full_out, &mut full_cache);
+                    paired::run(
+                        &mut g,
+                        &gname,
+                        &p,
+                        Side { name: &id, work: flop, run: &mut kern },
+                        Side { name: "bshd_bf16_full", work: flop, run: &mut base },
+                    );
+                }
+                g.finish();
+            }
         }
+    }
+}
+
+/// Valid lengths of the half-valid BSHD batch (8 sequences padded to 64).
+const HALF_VALID: [u32; 8] = [64, 0, 64, 0, 32, 32, 48, 16];
+
+/// The peak loop the kernels of the ISA in use rely on, for bf16 or f32 weights (`None` off x86
+/// or below AVX2).
+fn peak_for(bf16: bool) -> Option<peak::Peak> {
+    let name = match (exec().isa.unwrap_or_else(Isa::best), bf16) {
+        (Isa::Avx512Bf16, true) => "vdpbf16ps_zmm",
+        (Isa::Avx512 | Isa::Avx512Bf16, _) => "fma_zmm",
+        (Isa::Avx2, _) => "fma_ymm",
+        _ => return None,
+    };
+    peak::loops().into_iter().find(|l| l.0 == name)
+}
+
+/// One call of a peak loop on each of `threads` (1 or 2) threads of the current pool.
+fn peak_call(f: fn() -> f32, threads: usize) {
+    if threads == 1 {
+        black_box(f());
+    } else {
+        black_box(rayon::join(f, f));
     }
 }
 
@@ -274,10 +351,37 @@ fn decode(c: &mut Criterion) {
         });
     }
     g.finish();
+    let gname = format!("paired/{}/decode_bf16/bytes", model.name);
+    let mut g = setup_group(c, &gname);
+    for threads in [1usize, 2] {
+        let p = pool(threads);
+        let (mut i, mut j) = (0, layers / 2);
+        let mut kern = || {
+            i = (i + 1) % layers;
+            fused(&x, &cold[i], model.q_dim(), &mut out, &mut cache, exec())
+        };
+        let mut base = || {
+            j = (j + 1) % layers;
+            black_box(plain_read_par(&cold_raw[j], threads));
+        };
+        let (id, b) = (format!("dram_fused_t{threads}"), hot_raw.len() as u64);
+        paired::run(
+            &mut g,
+            &gname,
+            &p,
+            Side { name: &id, work: b, run: &mut kern },
+            Side { name: "dram_read", work: b, run: &mut base },
+        );
+    }
+    g.finish();
 }
 
 #[path = "common/peak.rs"]
 mod peak;
+
+#[path = "common/paired.rs"]
+mod paired;
+use paired::Side;
 
 /// The instruction peaks the targets are stated against (per thread count).
 fn peaks(c: &mut Criterion) {

@@ -4,6 +4,9 @@
 //! `cargo bench --bench rope` (`PAGED_QKV_BENCH_ISA=avx2` forces an ISA, bench-only).
 //! `bytes` groups count the bytes RoPE moves per call: read Q, write the output, read and write
 //! the new K rows; the `copy` baseline copies exactly as many bytes (read and write).
+//! `paired/…` groups state the targets' ratios: each RoPE call runs alternately with copies,
+//! each fused call with one without RoPE, and the median per-pair ratio is printed
+//! (`common/paired.rs`), so the VM's drift between groups stays out of the ratio.
 
 use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main, measurement::WallTime};
 use paged_qkv::fast::{self, PackedPlainWeights, PackedWeights, QkvFp4PackedArgs, QkvRaggedPackedArgs};
@@ -116,31 +119,51 @@ fn standalone<T: Element>(c: &mut Criterion, dtype: &str) {
             let offs = [0, tokens as u32];
             let mut g = setup_group(c, &format!("rope/{}/{dtype}/t{tokens}/bytes", m.name));
             g.throughput(Throughput::Bytes(bytes as u64));
+            let rope = |out: &mut [T], cache: &mut Cache<T>| {
+                let args = RopeRaggedArgs {
+                    q_proj: &q,
+                    input_row_offsets: &offs,
+                    num_q_heads: m.hq,
+                    q_head_size: m.hd,
+                    freqs_cis: &freqs,
+                    rope_dim: m.hd,
+                    position_ids: None,
+                    interleaved: false,
+                };
+                fast::rope_ragged(&args, out, &mut cache.kv(), RopeMath::F32, exec()).unwrap()
+            };
             for threads in [1usize, 2] {
                 let p = pool(threads);
-                g.bench_function(format!("rope_t{threads}"), |b| {
-                    p.install(|| {
-                        b.iter(|| {
-                            let args = RopeRaggedArgs {
-                                q_proj: &q,
-                                input_row_offsets: &offs,
-                                num_q_heads: m.hq,
-                                q_head_size: m.hd,
-                                freqs_cis: &freqs,
-                                rope_dim: m.hd,
-                                position_ids: None,
-                                interleaved: false,
-                            };
-                            fast::rope_ragged(&args, &mut out, &mut cache.kv(), RopeMath::F32, exec()).unwrap()
-                        })
-                    })
-                });
+                g.bench_function(format!("rope_t{threads}"), |b| p.install(|| b.iter(|| rope(&mut out, &mut cache))));
                 g.bench_function(format!("copy_t{threads}"), |b| p.install(|| b.iter(|| bufs.copy(threads))));
             }
             g.finish();
+            if tokens >= 64 {
+                // The targets' ratio, each RoPE call paired with copies (`common/paired.rs`).
+                let gname = format!("paired/rope/{}/{dtype}/t{tokens}/bytes", m.name);
+                let mut g = setup_group(c, &gname);
+                for threads in [1usize, 2] {
+                    let p = pool(threads);
+                    let mut kern = || rope(&mut out, &mut cache);
+                    let mut base = || bufs.copy(threads);
+                    let (id, b) = (format!("rope_t{threads}"), bytes as u64);
+                    paired::run(
+                        &mut g,
+                        &gname,
+                        &p,
+                        Side { name: &id, work: b, run: &mut kern },
+                        Side { name: &format!("copy_t{threads}"), work: b, run: &mut base },
+                    );
+                }
+                g.finish();
+            }
         }
     }
 }
+
+#[path = "common/paired.rs"]
+mod paired;
+use paired::Side;
 
 fn standalone_all(c: &mut Criterion) {
     standalone::<bf16>(c, "bf16");
@@ -203,6 +226,51 @@ fn fused(c: &mut Criterion) {
                     })
                 });
             }
+        }
+        g.finish();
+        // The target's ratio, each fused call paired with one without RoPE (`common/paired.rs`);
+        // the inverse of the ratio is the time ratio.
+        let gname = format!("paired/fused_rope/{}/m{tokens}/flop", m.name);
+        let mut g = setup_group(c, &gname);
+        let flop = (2 * tokens * n * k) as u64;
+        let (mut out_b, mut cache_b) = (out.clone(), cache_for::<bf16>(&m, tokens));
+        let fp4 = |r: Option<QkvRope<'_>>, out: &mut [bf16], cache: &mut Cache<bf16>| {
+            let args = QkvFp4PackedArgs { rope: r, ..QkvFp4PackedArgs::new(a.as_ref(), &offs, &pw, q_dim) };
+            fast::qkv_fp4_ragged_packed(&args, out, &mut cache.kv(), exec()).unwrap()
+        };
+        let plain = |r: Option<QkvRope<'_>>, out: &mut [bf16], cache: &mut Cache<bf16>| {
+            let args = QkvRaggedPackedArgs {
+                hidden_state: &xb,
+                input_row_offsets: &offs,
+                weight: &pb,
+                bias: None,
+                q_dim,
+                rope: r,
+            };
+            fast::qkv_ragged_packed(&args, out, &mut cache.kv(), exec()).unwrap()
+        };
+        for threads in [1usize, 2] {
+            let p = pool(threads);
+            let mut kern = || fp4(Some(rope), &mut out, &mut cache);
+            let mut base = || fp4(None, &mut out_b, &mut cache_b);
+            let id = format!("nvfp4_qkv_rope_t{threads}");
+            paired::run(
+                &mut g,
+                &gname,
+                &p,
+                Side { name: &id, work: flop, run: &mut kern },
+                Side { name: "nvfp4_qkv", work: flop, run: &mut base },
+            );
+            let mut kern = || plain(Some(rope), &mut out, &mut cache);
+            let mut base = || plain(None, &mut out_b, &mut cache_b);
+            let id = format!("bf16_qkv_rope_t{threads}");
+            paired::run(
+                &mut g,
+                &gname,
+                &p,
+                Side { name: &id, work: flop, run: &mut kern },
+                Side { name: "bf16_qkv", work: flop, run: &mut base },
+            );
         }
         g.finish();
     }
