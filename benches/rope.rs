@@ -196,44 +196,6 @@ fn fused(c: &mut Criterion) {
         let offs = [0, tokens as u32];
         let mut out = vec![bf16::ZERO; tokens * q_dim];
         let mut cache = cache_for::<bf16>(&m, tokens);
-        let mut g = setup_group(c, &format!("fused_rope/{}/m{tokens}/flop", m.name));
-        g.throughput(Throughput::Elements((2 * tokens * n * k) as u64));
-        for threads in [1usize, 2] {
-            let p = pool(threads);
-            for (name, r) in [("qkv", None), ("qkv_rope", Some(rope))] {
-                g.bench_function(format!("nvfp4_{name}_t{threads}"), |b| {
-                    p.install(|| {
-                        b.iter(|| {
-                            let args =
-                                QkvFp4PackedArgs { rope: r, ..QkvFp4PackedArgs::new(a.as_ref(), &offs, &pw, q_dim) };
-                            fast::qkv_fp4_ragged_packed(&args, &mut out, &mut cache.kv(), exec()).unwrap()
-                        })
-                    })
-                });
-                g.bench_function(format!("bf16_{name}_t{threads}"), |b| {
-                    p.install(|| {
-                        b.iter(|| {
-                            let args = QkvRaggedPackedArgs {
-                                hidden_state: &xb,
-                                input_row_offsets: &offs,
-                                weight: &pb,
-                                bias: None,
-                                q_dim,
-                                rope: r,
-                            };
-                            fast::qkv_ragged_packed(&args, &mut out, &mut cache.kv(), exec()).unwrap()
-                        })
-                    })
-                });
-            }
-        }
-        g.finish();
-        // The target's ratio, each fused call paired with one without RoPE (`common/paired.rs`);
-        // the inverse of the ratio is the time ratio.
-        let gname = format!("paired/fused_rope/{}/m{tokens}/flop", m.name);
-        let mut g = setup_group(c, &gname);
-        let flop = (2 * tokens * n * k) as u64;
-        let (mut out_b, mut cache_b) = (out.clone(), cache_for::<bf16>(&m, tokens));
         let fp4 = |r: Option<QkvRope<'_>>, out: &mut [bf16], cache: &mut Cache<bf16>| {
             let args = QkvFp4PackedArgs { rope: r, ..QkvFp4PackedArgs::new(a.as_ref(), &offs, &pw, q_dim) };
             fast::qkv_fp4_ragged_packed(&args, out, &mut cache.kv(), exec()).unwrap()
@@ -249,28 +211,36 @@ fn fused(c: &mut Criterion) {
             };
             fast::qkv_ragged_packed(&args, out, &mut cache.kv(), exec()).unwrap()
         };
+        type Op<'a> = &'a (dyn Fn(Option<QkvRope<'_>>, &mut [bf16], &mut Cache<bf16>) + Sync);
+        let ops: [(&str, Op<'_>); 2] = [("nvfp4", &fp4), ("bf16", &plain)];
+        let mut g = setup_group(c, &format!("fused_rope/{}/m{tokens}/flop", m.name));
+        g.throughput(Throughput::Elements((2 * tokens * n * k) as u64));
         for threads in [1usize, 2] {
             let p = pool(threads);
-            let mut kern = || fp4(Some(rope), &mut out, &mut cache);
-            let mut base = || fp4(None, &mut out_b, &mut cache_b);
-            let id = format!("nvfp4_qkv_rope_t{threads}");
-            paired::run(
-                &mut g,
-                &gname,
-                &p,
-                Side { name: &id, work: flop, run: &mut kern },
-                Side { name: "nvfp4_qkv", work: flop, run: &mut base },
-            );
-            let mut kern = || plain(Some(rope), &mut out, &mut cache);
-            let mut base = || plain(None, &mut out_b, &mut cache_b);
-            let id = format!("bf16_qkv_rope_t{threads}");
-            paired::run(
-                &mut g,
-                &gname,
-                &p,
-                Side { name: &id, work: flop, run: &mut kern },
-                Side { name: "bf16_qkv", work: flop, run: &mut base },
-            );
+            for (name, op) in ops {
+                for (what, r) in [("qkv", None), ("qkv_rope", Some(rope))] {
+                    g.bench_function(format!("{name}_{what}_t{threads}"), |b| {
+                        p.install(|| b.iter(|| op(r, &mut out, &mut cache)))
+                    });
+                }
+            }
+        }
+        g.finish();
+        // The target's ratio, each fused call paired with one without RoPE (`common/paired.rs`);
+        // the inverse of the ratio is the time ratio.
+        let gname = format!("paired/fused_rope/{}/m{tokens}/flop", m.name);
+        let mut g = setup_group(c, &gname);
+        let flop = (2 * tokens * n * k) as u64;
+        let (mut out_b, mut cache_b) = (out.clone(), cache_for::<bf16>(&m, tokens));
+        for threads in [1usize, 2] {
+            let p = pool(threads);
+            for (name, op) in ops {
+                let mut kern = || op(Some(rope), &mut out, &mut cache);
+                let mut base = || op(None, &mut out_b, &mut cache_b);
+                let (id, base_id) = (format!("{name}_qkv_rope_t{threads}"), format!("{name}_qkv"));
+                let base = Side { name: &base_id, work: flop, run: &mut base };
+                paired::run(&mut g, &gname, &p, Side { name: &id, work: flop, run: &mut kern }, base);
+            }
         }
         g.finish();
     }
