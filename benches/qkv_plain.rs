@@ -234,18 +234,18 @@ fn compute(c: &mut Criterion) {
             if m == 512 && model.name == LLAMA.name {
                 let gname = format!("paired/{}/m{m}/flop", model.name);
                 let mut g = setup_group(c, &gname);
+                let flop = (2 * m * n * k) as u64;
                 for threads in [1usize, 2] {
                     let p = pool(threads);
                     let mut out = vec![bf16::ZERO; m * q_dim];
                     let mut cache = cache_for(&model, 1, m);
-                    let flop = (2 * m * n * k) as u64;
                     for (dt, bf) in [("bf16", true), ("f32", false)] {
                         let Some((pname, _, per, f)) = peak_for(bf) else { continue };
                         let mut kern = || match bf {
                             true => fused(&x_bf, &pw_bf, q_dim, &mut out, &mut cache, exec()),
                             false => fused(&x_f32, &pw_f32, q_dim, &mut out, &mut cache, exec()),
                         };
-                        let mut base = || peak_call(f, threads);
+                        let mut base = || peak::call(f, threads);
                         let (id, pw) = (format!("fused_{dt}_t{threads}"), peak::ops(per) * threads as u64);
                         let kern = Side { name: &id, work: flop, run: &mut kern };
                         let peak = Side { name: &format!("{pname}_t{threads}"), work: pw, run: &mut base };
@@ -296,15 +296,6 @@ fn peak_for(bf16: bool) -> Option<peak::Peak> {
         _ => return None,
     };
     peak::loops().into_iter().find(|l| l.0 == name)
-}
-
-/// One call of a peak loop on each of `threads` (1 or 2) threads of the current pool.
-fn peak_call(f: fn() -> f32, threads: usize) {
-    if threads == 1 {
-        black_box(f());
-    } else {
-        black_box(rayon::join(f, f));
-    }
 }
 
 /// M = 1 against a plain read of the same bytes: L3-hot (one layer) and from DRAM (cycling

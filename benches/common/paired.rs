@@ -88,14 +88,16 @@ pub fn run(
     if pairs.is_empty() {
         return;
     }
-    let q = |mut v: Vec<f64>, f: f64| {
+    let sorted = |v: &mut dyn Iterator<Item = f64>| {
+        let mut v: Vec<f64> = v.collect();
         v.sort_by(f64::total_cmp);
-        v[((v.len() - 1) as f64 * f).round() as usize]
+        v
     };
-    let ratios: Vec<f64> = pairs.iter().map(|p| p.0 / p.1).collect();
-    let (lo, med, hi) = (q(ratios.clone(), 0.25), q(ratios.clone(), 0.5), q(ratios, 0.75));
-    let mk = q(pairs.iter().map(|p| p.0).collect(), 0.5);
-    let mb = q(pairs.iter().map(|p| p.1).collect(), 0.5);
+    let at = |v: &[f64], f: f64| v[((v.len() - 1) as f64 * f).round() as usize];
+    let ratios = sorted(&mut pairs.iter().map(|p| p.0 / p.1));
+    let (lo, med, hi) = (at(&ratios, 0.25), at(&ratios, 0.5), at(&ratios, 0.75));
+    let mk = at(&sorted(&mut pairs.iter().map(|p| p.0)), 0.5);
+    let mb = at(&sorted(&mut pairs.iter().map(|p| p.1)), 0.5);
     println!(
         "{group}/{id} ÷ {base_name}: rate ratio median {med:.3} (quartiles {lo:.3}–{hi:.3}, {} pairs; \
          inverse {:.3}); medians {:.2} vs {:.2} G/s",

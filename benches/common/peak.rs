@@ -145,15 +145,22 @@ pub fn loops() -> Vec<Peak> {
     Vec::new()
 }
 
+/// One call of a peak loop on each of `threads` (1 or 2) threads of the current pool.
+pub fn call(f: fn() -> f32, threads: usize) {
+    if threads == 1 {
+        black_box(f());
+    } else {
+        black_box(rayon::join(f, f));
+    }
+}
+
 /// Benches the named loops (those this CPU has) at 1 and 2 threads in group `g`.
 pub fn run(g: &mut BenchmarkGroup<'_, WallTime>, names: &[&str]) {
     for (name, _, per, f) in loops().into_iter().filter(|p| names.contains(&p.0)) {
         for threads in [1usize, 2] {
             let p = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
             g.throughput(Throughput::Elements(ops(per) * threads as u64));
-            g.bench_function(format!("{name}_t{threads}"), |b| {
-                p.install(|| b.iter(|| if threads == 1 { black_box(f()) } else { black_box(rayon::join(f, f).0) }))
-            });
+            g.bench_function(format!("{name}_t{threads}"), |b| p.install(|| b.iter(|| call(f, threads))));
         }
     }
 }
