@@ -14,7 +14,7 @@ use crate::element::Element;
 use crate::ops::RopeMath;
 use crate::pool::Pooled;
 use crate::simd::IsaToken;
-use crate::simd::rope::{RopeRow, Round, narrow, rotate_token, widen};
+use crate::simd::rope::{HalfRows, RopeRow, Round, narrow, rotate_token, widen};
 use rayon::prelude::*;
 
 /// The first element of each row's slot in layer `layer`, plus `offset` (the V part, or 0).
@@ -113,6 +113,20 @@ pub(crate) fn rope_rows<T: Element, F: Element, C: Element>(
     let (qw, kw) = (hq * dq, hk * dk);
     assert!(qw > 0 && output.len() == bases.len() * qw && positions.len() == bases.len());
     let cache = SharedMut::new(cache);
+    let rd = spec.rope_dim;
+    // The commonest case (half-split, `F32` math, whole heads of whole vectors) decided once for
+    // the call rather than per token in `RopeSpec::row`: the same kernels and bits.
+    if let Some(half) = HalfRows::<T, C>::new(token, spec.interleaved, spec.round(), rd, spec.q_heads, spec.k_heads) {
+        for_rows(parallel, output, qw, |r, bufs, o| {
+            let (Some(base), Some(p)) = (bases[r], positions[r]) else { return };
+            // SAFETY: as in the general loop below: distinct rows have distinct slots (the
+            // validated plan), each row is visited by one task, nothing else touches `cache`.
+            let k = unsafe { cache.slice_mut(base, kw) };
+            bufs.0.resize(half.buf_len(), 0.0);
+            half.row(&spec.freqs[p * rd..(p + 1) * rd], &q_proj[r * qw..(r + 1) * qw], o, k, &mut bufs.0);
+        });
+        return;
+    }
     for_rows(parallel, output, qw, |r, bufs, o| {
         let (Some(base), Some(p)) = (bases[r], positions[r]) else { return };
         // SAFETY: the validated slot plan gives every row its own slot, so the ranges
