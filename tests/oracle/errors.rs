@@ -178,6 +178,23 @@ fn slot_conflicts() {
     let mut c = base(false);
     c.lookup[c.cols] = c.lookup[1];
     c.cache_lengths[1] = 1;
+    passes(&c);
+    // One block as both pages of sequence 0 (its positions 3 and 4: slots 3 and 0 of it), a block
+    // written twice by one sequence without a shared slot: the validation's page-level shortcut
+    // does not apply and the exact check passes the call; both rows land in that block.
+    let mut c = base(false);
+    c.lookup[1] = c.lookup[0];
+    let (shape, cache) = (c.s.shape, passes(&c));
+    let block = c.lookup[0] as usize;
+    for slot in [3, 0] {
+        let base = shape.slot_base(block, c.layer, slot);
+        let k = &cache.data()[base..base + shape.head_size()];
+        assert!(k.iter().any(|v| v.to_f32() != 0.0), "slot {slot} of block {block} was not written");
+    }
+}
+
+/// Runs a valid call into a zeroed cache; asserts it succeeds and returns the cache.
+fn passes(c: &Call) -> PagedKvCache<bf16> {
     let mut cache: PagedKvCache<bf16> = PagedKvCache::zeros(c.s.shape);
     let mut out = vec![bf16::ZERO; c.out_len];
     let args = QkvFp4Args {
@@ -190,30 +207,7 @@ fn slot_conflicts() {
     };
     let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&c.lookup, c.cols, &c.cache_lengths).unwrap(), c.layer);
     qkv_fp4_ragged(&args, &mut out, &mut kv, Accumulation::Exact).unwrap();
-    // One block as both pages of sequence 0 (its positions 3 and 4: slots 3 and 0 of it), a block
-    // written twice by one sequence without a shared slot: the validation's page-level shortcut
-    // does not apply and the exact check passes the call; both rows land in that block.
-    let mut c = base(false);
-    c.lookup[1] = c.lookup[0];
-    let shape = c.s.shape;
-    let mut cache: PagedKvCache<bf16> = PagedKvCache::zeros(shape);
-    let mut out = vec![bf16::ZERO; c.out_len];
-    let args = QkvFp4Args {
-        hidden_state: c.s.a.as_ref(),
-        input_row_offsets: &c.offsets,
-        weight: c.s.w.as_ref(),
-        tensor_sf: 1.0,
-        q_dim: c.q_dim,
-        rope: None,
-    };
-    let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&c.lookup, c.cols, &c.cache_lengths).unwrap(), c.layer);
-    qkv_fp4_ragged(&args, &mut out, &mut kv, Accumulation::Exact).unwrap();
-    let block = c.lookup[0] as usize;
-    for slot in [3, 0] {
-        let base = shape.slot_base(block, c.layer, slot);
-        let k = &cache.data()[base..base + shape.head_size()];
-        assert!(k.iter().any(|v| v.to_f32() != 0.0), "slot {slot} of block {block} was not written");
-    }
+    cache
 }
 
 #[test]
