@@ -13,9 +13,9 @@ pub(crate) struct SharedMut<'a, T> {
 }
 
 // SAFETY: SharedMut only hands out writes of `T: Send` values at indices the caller promises
-// are accessed by one thread each (see `write_slice`, `slice_mut`); it never reads itself.
+// are accessed by one thread each (see `slice_mut`); it never reads itself.
 unsafe impl<T: Send> Send for SharedMut<'_, T> {}
-// SAFETY: as above; `&SharedMut` permits only `write_slice` and `slice_mut`.
+// SAFETY: as above; `&SharedMut` permits only `slice_mut`.
 unsafe impl<T: Send> Sync for SharedMut<'_, T> {}
 
 impl<'a, T> SharedMut<'a, T> {
@@ -36,22 +36,5 @@ impl<'a, T> SharedMut<'a, T> {
         // SAFETY: in bounds (checked above) of a slice exclusively borrowed for 'a (which
         // outlives `&self`); the caller guarantees no other access to these indices meanwhile.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(i), len) }
-    }
-
-    /// Writes `v` at `i .. i + v.len()`. Bounds are checked (a bug panics, never writes out of
-    /// bounds).
-    ///
-    /// # Safety
-    /// No other thread may read or write those indices during the lifetime of this `SharedMut`.
-    #[inline]
-    pub unsafe fn write_slice(&self, i: usize, v: &[T])
-    where
-        T: Copy,
-    {
-        assert!(i <= self.len && v.len() <= self.len - i, "scatter range {i}+{} out of bounds ({})", v.len(), self.len);
-        // SAFETY: in bounds (checked above), the slice is exclusively borrowed for 'a, `v` is a
-        // distinct borrow (it cannot alias the exclusive one), and the caller guarantees no
-        // concurrent access to these indices.
-        unsafe { self.ptr.add(i).copy_from_nonoverlapping(v.as_ptr(), v.len()) }
     }
 }

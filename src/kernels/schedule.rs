@@ -4,7 +4,7 @@
 //! computed by one task in a fixed k order, so results do not depend on the thread count, the
 //! tiling or the other rows of the batch.
 
-use super::epilogue::Dest;
+use super::epilogue::{Dest, Scratch};
 use super::operands::{Operands, Tile};
 use crate::pool::Pooled;
 use crate::simd::{GROUP, IsaToken};
@@ -53,8 +53,9 @@ impl Panels {
 const MAX_MC: usize = 128;
 
 thread_local! {
-    /// Each worker's tile buffer, kept between calls (no allocation per task in steady state).
-    static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Each worker's tile buffer and epilogue scratch, kept between calls (no allocation per
+    /// task in steady state).
+    static TILE: RefCell<(Vec<f32>, Option<Scratch>)> = const { RefCell::new((Vec::new(), None)) };
 }
 
 /// Runs all tasks of a call: `m` rows of `src` into `dest`, on the current rayon pool when
@@ -88,16 +89,17 @@ pub(crate) fn run<S: Operands, D: Dest>(src: &S, dest: &D, m: usize, token: IsaT
             };
         }
         let rows = &rows[..count];
-        TILE.with_borrow_mut(|buf| {
+        TILE.with_borrow_mut(|(buf, scratch)| {
             if buf.len() < count * width {
                 buf.resize(count * width, 0.0);
             }
+            let scratch = scratch.get_or_insert_with(Scratch::default);
             src.tile(token, &Tile { rows, kv, i0, c0, c1 }, buf);
             for (i, &r) in rows.iter().enumerate() {
                 // SAFETY: this task alone finishes (r, c0..c1): tasks own disjoint (row tile ×
                 // panel) ranges, and the destination was built from a validated slot plan, which
                 // gives every row its own cache slot.
-                unsafe { dest.finish(src, r, c0, &buf[i * width..(i + 1) * width]) };
+                unsafe { dest.finish(src, r, c0, &buf[i * width..(i + 1) * width], scratch) };
             }
         });
     };
