@@ -42,6 +42,17 @@ struct Ragged {
 /// Fast (every ISA) and reference `rope_ragged`, compared bit for bit on the output and the
 /// whole cache; run twice (rotating twice).
 fn check_ragged<T: Element, F: Element, C: Element>(rng: &mut Rng, c: &Ragged) {
+    check_ragged_values::<T, F, C>(rng, c, &|rng| rng.normal(), None)
+}
+
+/// [`check_ragged`] with Q values drawn by `value`, and the cache's too when `cache_value` is given
+/// (else a random finite cache).
+fn check_ragged_values<T: Element, F: Element, C: Element>(
+    rng: &mut Rng,
+    c: &Ragged,
+    value: &dyn Fn(&mut Rng) -> f32,
+    cache_value: Option<&dyn Fn(&mut Rng) -> f32>,
+) {
     let m: usize = c.lens.iter().sum();
     let shape = if c.mla {
         CacheShape::mla(64, 2, c.page, 1, c.dk).unwrap()
@@ -54,7 +65,7 @@ fn check_ragged<T: Element, F: Element, C: Element>(rng: &mut Rng, c: &Ragged) {
     let ids: Option<Vec<u32>> = c.ids.then(|| (0..m).map(|_| rng.below(max_pos.max(1)) as u32).collect());
     let rows = max_pos.max(1);
     let f: Vec<F> = freqs(rows, c.rd);
-    let q: Vec<T> = (0..m * c.hq * c.dq).map(|_| T::from_f32(rng.normal())).collect();
+    let q: Vec<T> = (0..m * c.hq * c.dq).map(|_| T::from_f32(value(rng))).collect();
     let offs = offsets(&c.lens);
     let layer = rng.below(2);
     for interleaved in [false, true] {
@@ -70,7 +81,14 @@ fn check_ragged<T: Element, F: Element, C: Element>(rng: &mut Rng, c: &Ragged) {
                 interleaved,
             };
             let run = |e: Option<Exec>| -> (Vec<u32>, Vec<u32>) {
-                let mut cache: PagedKvCache<C> = random_cache(&mut Rng::new(5), shape);
+                let mut cache: PagedKvCache<C> = match cache_value {
+                    Some(v) => {
+                        let mut r = Rng::new(5);
+                        PagedKvCache::from_vec(shape, (0..shape.len()).map(|_| C::from_f32(v(&mut r))).collect())
+                            .unwrap()
+                    }
+                    None => random_cache(&mut Rng::new(5), shape),
+                };
                 let mut out = vec![T::from_f32(-3.0); q.len()];
                 for _ in 0..2 {
                     let table = PageTable::new(&pg.lookup, pg.cols, &pg.cache_lengths).unwrap();
@@ -80,11 +98,28 @@ fn check_ragged<T: Element, F: Element, C: Element>(rng: &mut Rng, c: &Ragged) {
                         None => reference::rope_ragged(&args, &mut out, &mut kv, math).unwrap(),
                     }
                 }
-                (bits(&out), bits(cache.data()))
+                // NaN sign and payload are outside the bit-exact promise (inf − inf can arise
+                // here): every NaN compares as one value.
+                fn canon<E: Element>(x: &[E]) -> Vec<u32> {
+                    x.iter().map(|v| if v.to_f32().is_nan() { u32::MAX } else { v.to_bits() }).collect()
+                }
+                (canon(&out), canon(cache.data()))
             };
             let want = run(None);
             for e in execs() {
-                assert_eq!(run(Some(e)), want, "{e:?} interleaved {interleaved} {math:?}");
+                let got = run(Some(e));
+                if got != want {
+                    let diff = |g: &[u32], w: &[u32]| g.iter().zip(w).position(|(a, b)| a != b);
+                    let (o, k) = (diff(&got.0, &want.0), diff(&got.1, &want.1));
+                    let show = |v: &[u32], i: Option<usize>| i.map(|i| format!("{i}: {:#x}", v[i]));
+                    panic!(
+                        "{e:?} interleaved {interleaved} {math:?}: output {:?} want {:?}; cache {:?} want {:?}",
+                        show(&got.0, o),
+                        show(&want.0, o),
+                        show(&got.1, k),
+                        show(&want.1, k)
+                    );
+                }
             }
         }
     }
@@ -147,6 +182,47 @@ fn rope_wide_heads_every_isa_bit_for_bit() {
         check_ragged::<bf16, f32, f16>(&mut rng, &c);
         check_ragged::<f16, f16, f32>(&mut rng, &c);
         check_ragged::<f32, f32, bf16>(&mut rng, &c);
+    }
+}
+
+/// Values at the edges of the f32 range in Q and in the cache: zeros of both signs, subnormals
+/// (whose rotations are subnormal or zero: the AVX-512 BF16 store's fallback), the smallest
+/// normals, the largest finite values (rotations overflow to infinity), infinities, mixed with
+/// ordinary values so that one vector holds both kinds. Every ISA equals the oracle bit for bit.
+#[test]
+fn rope_extreme_values_every_isa_bit_for_bit() {
+    let value = |rng: &mut Rng| -> f32 {
+        let sign = if rng.below(2) == 0 { 1.0 } else { -1.0 };
+        sign * match rng.below(12) {
+            0 => 0.0,
+            1 => f32::from_bits(rng.range(1, 0x7F_FFFF) as u32), // f32 subnormal
+            2 => f32::from_bits(rng.range(0x1_0000, 0x7F_FFFF) as u32), // a bf16 subnormal
+            3 => f32::MIN_POSITIVE * (1.0 + rng.f32().abs()),
+            4 => f32::MAX * (0.9 + 0.1 * rng.f32().abs()),
+            5 => f32::INFINITY,
+            6 => 65504.0 * (1.0 + rng.f32().abs()),
+            _ => rng.normal(),
+        }
+    };
+    let mut rng = Rng::new(74);
+    for (dk, rd) in [(64, 64), (128, 128), (128, 96)] {
+        let c = Ragged {
+            lens: vec![9, 4],
+            cache_lengths: vec![3, 0],
+            hq: 3,
+            dq: dk,
+            hkv: 2,
+            dk,
+            rd,
+            page: 4,
+            mla: false,
+            ids: false,
+        };
+        check_ragged_values::<bf16, f32, bf16>(&mut rng, &c, &value, Some(&value));
+        check_ragged_values::<bf16, bf16, bf16>(&mut rng, &c, &value, Some(&value));
+        check_ragged_values::<f16, f16, f16>(&mut rng, &c, &value, Some(&value));
+        check_ragged_values::<f32, f32, f32>(&mut rng, &c, &value, Some(&value));
+        check_ragged_values::<bf16, f32, f16>(&mut rng, &c, &value, Some(&value));
     }
 }
 
