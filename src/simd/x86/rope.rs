@@ -433,10 +433,25 @@ unsafe fn half_step_bf16(
 ) {
     // SAFETY: the caller's contract covers every address below.
     unsafe {
-        let (x0e, x0o) = split_bf16(from.add(i * 2), r);
-        let (x1e, x1o) = split_bf16(from.add((hh + i) * 2), r);
         let (ce, co) = (_mm512_loadu_ps(cd.add(i)), _mm512_loadu_ps(cd.add(i + 16)));
         let (se, so) = (_mm512_loadu_ps(sd.add(i)), _mm512_loadu_ps(sd.add(i + 16)));
+        half_step_bf16_regs(from, base, hh, i, [ce, co, se, so], r);
+    }
+}
+
+/// [`half_step_bf16`] with the forms in registers: `[ce, co, se, so]`, the even and odd pairs'
+/// `cd` and `sd` values of pairs `i .. i + 32`.
+///
+/// # Safety
+/// As [`half_step_bf16`], without the forms' memory.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn half_step_bf16_regs(from: *const u8, base: *mut u8, hh: usize, i: usize, f: [__m512; 4], r: Round) {
+    let [ce, co, se, so] = f;
+    // SAFETY: the caller's contract covers every address below.
+    unsafe {
+        let (x0e, x0o) = split_bf16(from.add(i * 2), r);
+        let (x1e, x1o) = split_bf16(from.add((hh + i) * 2), r);
         let (y0e, y1e) = rot512(x0e, x1e, ce, se, r);
         let (y0o, y1o) = rot512(x0o, x1o, co, so, r);
         join_bf16(base.add(i * 2), y0e, y0o);
@@ -459,12 +474,31 @@ unsafe fn half_step<const K: u8>(
     s: *const f32,
     r: Round,
 ) {
+    // SAFETY: the caller's contract covers every address below.
+    unsafe { half_step_regs::<K>(from, base, hh, i, _mm512_loadu_ps(c.add(i)), _mm512_loadu_ps(s.add(i)), r) }
+}
+
+/// [`half_step`] with the forms `c`, `s` of pairs `i .. i + 16` in registers.
+///
+/// # Safety
+/// As [`half_step`], without the forms' memory.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn half_step_regs<const K: u8>(
+    from: *const u8,
+    base: *mut u8,
+    hh: usize,
+    i: usize,
+    c: __m512,
+    s: __m512,
+    r: Round,
+) {
     let size = if K == F32 { 4 } else { 2 };
     // SAFETY: the caller's contract covers every address below.
     unsafe {
         let x0 = round512(load512::<K>(from.add(i * size)), r);
         let x1 = round512(load512::<K>(from.add((hh + i) * size)), r);
-        let (y0, y1) = rot512(x0, x1, _mm512_loadu_ps(c.add(i)), _mm512_loadu_ps(s.add(i)), r);
+        let (y0, y1) = rot512(x0, x1, c, s, r);
         store512::<K>(base.add(i * size), y0);
         store512::<K>(base.add((hh + i) * size), y1);
     }
@@ -517,6 +551,100 @@ pub(crate) unsafe fn heads_half_avx512<const K: u8>(
             }
             i += step;
         }
+    }
+}
+
+/// The half-split forms of one 32-pair chunk of a freqs row, in registers: `c` and `s` of pairs
+/// 0–15 and 16–31, and `cd`, `sd` (the bf16 kernel's even / odd split) — [`fill_half_avx512`]'s
+/// values for that chunk.
+#[derive(Clone, Copy)]
+struct ChunkForms {
+    c: [__m512; 2],
+    s: [__m512; 2],
+    /// `[ce, co, se, so]`.
+    d: [__m512; 4],
+}
+
+/// [`ChunkForms`] of the 64 freqs (`c0, s0, c1, s1, …`) of kind `KF` at `p`: widened exactly,
+/// NaN made the default NaN, de-interleaved by the permutes of [`fill_half_avx512`].
+///
+/// # Safety
+/// AVX-512 F must be available; 64 readable elements of kind `KF` at `p`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn chunk_forms<const KF: u8>(p: *const u8) -> ChunkForms {
+    let size = if KF == F32 { 4 } else { 2 };
+    let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    let canon = |v: __m512| _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v), _mm512_set1_ps(f32::NAN));
+    // SAFETY: elements 16i .. 16i + 16 of the 64 at p.
+    let f: [__m512; 4] = std::array::from_fn(|i| canon(unsafe { load512::<KF>(p.add(16 * i * size)) }));
+    let (c0, c1) = (_mm512_permutex2var_ps(f[0], even, f[1]), _mm512_permutex2var_ps(f[2], even, f[3]));
+    let (s0, s1) = (_mm512_permutex2var_ps(f[0], odd, f[1]), _mm512_permutex2var_ps(f[2], odd, f[3]));
+    let d = [
+        _mm512_permutex2var_ps(c0, even, c1),
+        _mm512_permutex2var_ps(c0, odd, c1),
+        _mm512_permutex2var_ps(s0, even, s1),
+        _mm512_permutex2var_ps(s0, odd, s1),
+    ];
+    ChunkForms { c: [c0, c1], s: [s0, s1], d }
+}
+
+/// [`heads_half_avx512`] with the forms in registers: `N` chunks of 32 pairs (`hh = 32 N`).
+///
+/// # Safety
+/// As [`heads_half_avx512`] for `hh = 32 N`, with `forms` the chunks' forms.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn heads_half_regs<const K: u8, const N: usize>(
+    src: *const u8,
+    x: *mut u8,
+    heads: usize,
+    forms: &[ChunkForms; N],
+) {
+    let (size, hh) = (if K == F32 { 4 } else { 2 }, 32 * N);
+    for h in 0..heads {
+        let (from, base) = (src.wrapping_add(2 * h * hh * size), x.wrapping_add(2 * h * hh * size));
+        for (b, f) in forms.iter().enumerate() {
+            let i = 32 * b;
+            // SAFETY: pairs i .. i + 32 of both halves of head h (i + 32 ≤ hh, d = 2 hh).
+            unsafe {
+                if K == BF16 {
+                    half_step_bf16_regs(from, base, hh, i, f.d, Round::None);
+                } else {
+                    half_step_regs::<K>(from, base, hh, i, f.c[0], f.s[0], Round::None);
+                    half_step_regs::<K>(from, base, hh, i + 16, f.c[1], f.s[1], Round::None);
+                }
+            }
+        }
+    }
+}
+
+/// One token of the standalone RoPE in its commonest form (half-split, `F32` math, whole heads of
+/// `2 · 32 N` dims for Q and K): the freqs row of kind `KF` read once into registers, the Q heads
+/// (kind `KQ`) from `q` into `out`, the K heads (kind `KK`) in place at `k`. The same operations
+/// as [`fill_half_avx512`] followed by [`heads_half_avx512`] on each, so the same bits, without
+/// the forms' round trip through memory and the per-token buffer (measured: see
+/// `crate::simd::rope::HalfRows`).
+///
+/// # Safety
+/// AVX-512 F and BW must be available; `freqs` holds `64 N` elements of kind `KF`; `q` and `out`
+/// hold `hq · 64 N` elements of kind `KQ` and do not overlap; `k` holds `hk · 64 N` of kind `KK`.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(crate) unsafe fn token_half_avx512<const KQ: u8, const KK: u8, const KF: u8, const N: usize>(
+    freqs: *const u8,
+    q: *const u8,
+    out: *mut u8,
+    hq: usize,
+    k: *mut u8,
+    hk: usize,
+) {
+    let fsize = if KF == F32 { 4 } else { 2 };
+    // SAFETY: chunk b's 64 freqs lie at 64 b (b < N) of the 64 N; the heads as the contract says.
+    unsafe {
+        let forms: [ChunkForms; N] = std::array::from_fn(|b| chunk_forms::<KF>(freqs.add(64 * b * fsize)));
+        heads_half_regs::<KQ, N>(q, out, hq, &forms);
+        heads_half_regs::<KK, N>(k, k, hk, &forms);
     }
 }
 
