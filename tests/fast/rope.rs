@@ -155,6 +155,23 @@ fn rope_ragged_every_isa_bit_for_bit() {
     }
 }
 
+/// Two sequences of `lens` new tokens after `cache_lengths`, `hq` Q heads and 2 KV heads of `dk`
+/// dims (`rd` rotary), pages of 4, no MLA or position ids.
+fn two_sequences(dk: usize, rd: usize, hq: usize, lens: [usize; 2], cache_lengths: [u32; 2]) -> Ragged {
+    Ragged {
+        lens: lens.to_vec(),
+        cache_lengths: cache_lengths.to_vec(),
+        hq,
+        dq: dk,
+        hkv: 2,
+        dk,
+        rd,
+        page: 4,
+        mla: false,
+        ids: false,
+    }
+}
+
 /// Whole-head and wide partial rotary (the vector paths: 32-element bf16 steps, 16-lane steps and
 /// scalar tails), every element type, Q and cache of the same or different types, both pairings
 /// and math modes, against the oracle.
@@ -162,18 +179,7 @@ fn rope_ragged_every_isa_bit_for_bit() {
 fn rope_wide_heads_every_isa_bit_for_bit() {
     let mut rng = Rng::new(72);
     for (dk, rd) in [(64, 64), (128, 128), (128, 96), (96, 96), (128, 80), (160, 160)] {
-        let c = Ragged {
-            lens: vec![3, 1],
-            cache_lengths: vec![5, 0],
-            hq: 2,
-            dq: dk,
-            hkv: 2,
-            dk,
-            rd,
-            page: 4,
-            mla: false,
-            ids: false,
-        };
+        let c = two_sequences(dk, rd, 2, [3, 1], [5, 0]);
         check_ragged::<bf16, bf16, bf16>(&mut rng, &c);
         check_ragged::<bf16, f32, bf16>(&mut rng, &c);
         check_ragged::<f16, f16, f16>(&mut rng, &c);
@@ -186,7 +192,8 @@ fn rope_wide_heads_every_isa_bit_for_bit() {
 }
 
 /// Values at the edges of the f32 range in Q and in the cache: zeros of both signs, subnormals
-/// (whose rotations are subnormal or zero: the AVX-512 BF16 store's fallback), the smallest
+/// (whose rotations are subnormal or zero, where a narrowing that flushes subnormals would
+/// differ), the smallest
 /// normals, the largest finite values (rotations overflow to infinity), infinities, mixed with
 /// ordinary values so that one vector holds both kinds. Every ISA equals the oracle bit for bit.
 #[test]
@@ -206,18 +213,7 @@ fn rope_extreme_values_every_isa_bit_for_bit() {
     };
     let mut rng = Rng::new(74);
     for (dk, rd) in [(64, 64), (128, 128), (128, 96)] {
-        let c = Ragged {
-            lens: vec![9, 4],
-            cache_lengths: vec![3, 0],
-            hq: 3,
-            dq: dk,
-            hkv: 2,
-            dk,
-            rd,
-            page: 4,
-            mla: false,
-            ids: false,
-        };
+        let c = two_sequences(dk, rd, 3, [9, 4], [3, 0]);
         check_ragged_values::<bf16, f32, bf16>(&mut rng, &c, &value, Some(&value));
         check_ragged_values::<bf16, bf16, bf16>(&mut rng, &c, &value, Some(&value));
         check_ragged_values::<f16, f16, f16>(&mut rng, &c, &value, Some(&value));
