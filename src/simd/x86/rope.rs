@@ -108,24 +108,19 @@ pub(crate) unsafe fn rotate_avx512(x: &mut [f32], row: &RopeRow<'_>, interleaved
 pub(crate) unsafe fn fill_half_avx512(row: &[f32], c: &mut [f32], s: &mut [f32], cd: &mut [f32], sd: &mut [f32]) {
     let h = c.len();
     debug_assert!(h.is_multiple_of(32) && row.len() == 2 * h && s.len() == h && cd.len() == h && sd.len() == h);
-    let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    let canon = |v: __m512| _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v), _mm512_set1_ps(f32::NAN));
     for b in (0..h).step_by(32) {
         // SAFETY: values 2b .. 2b + 64 of row (2b + 64 ≤ 2h) and b .. b + 32 of each form.
         unsafe {
-            let p = row.as_ptr().add(2 * b);
-            let f: [__m512; 4] = std::array::from_fn(|i| canon(_mm512_loadu_ps(p.add(16 * i))));
-            let (c0, c1) = (_mm512_permutex2var_ps(f[0], even, f[1]), _mm512_permutex2var_ps(f[2], even, f[3]));
-            let (s0, s1) = (_mm512_permutex2var_ps(f[0], odd, f[1]), _mm512_permutex2var_ps(f[2], odd, f[3]));
-            _mm512_storeu_ps(c.as_mut_ptr().add(b), c0);
-            _mm512_storeu_ps(c.as_mut_ptr().add(b + 16), c1);
-            _mm512_storeu_ps(s.as_mut_ptr().add(b), s0);
-            _mm512_storeu_ps(s.as_mut_ptr().add(b + 16), s1);
-            _mm512_storeu_ps(cd.as_mut_ptr().add(b), _mm512_permutex2var_ps(c0, even, c1));
-            _mm512_storeu_ps(cd.as_mut_ptr().add(b + 16), _mm512_permutex2var_ps(c0, odd, c1));
-            _mm512_storeu_ps(sd.as_mut_ptr().add(b), _mm512_permutex2var_ps(s0, even, s1));
-            _mm512_storeu_ps(sd.as_mut_ptr().add(b + 16), _mm512_permutex2var_ps(s0, odd, s1));
+            let f = chunk_forms::<F32>(row.as_ptr().add(2 * b).cast());
+            for (j, (v, w)) in f.c.iter().zip(&f.s).enumerate() {
+                _mm512_storeu_ps(c.as_mut_ptr().add(b + 16 * j), *v);
+                _mm512_storeu_ps(s.as_mut_ptr().add(b + 16 * j), *w);
+            }
+            let [ce, co, se, so] = f.d;
+            _mm512_storeu_ps(cd.as_mut_ptr().add(b), ce);
+            _mm512_storeu_ps(cd.as_mut_ptr().add(b + 16), co);
+            _mm512_storeu_ps(sd.as_mut_ptr().add(b), se);
+            _mm512_storeu_ps(sd.as_mut_ptr().add(b + 16), so);
         }
     }
 }
@@ -566,7 +561,8 @@ struct ChunkForms {
 }
 
 /// [`ChunkForms`] of the 64 freqs (`c0, s0, c1, s1, …`) of kind `KF` at `p`: widened exactly,
-/// NaN made the default NaN, de-interleaved by the permutes of [`fill_half_avx512`].
+/// NaN made the default NaN, de-interleaved by 8 two-source permutes (what
+/// [`fill_half_avx512`] stores per chunk).
 ///
 /// # Safety
 /// AVX-512 F must be available; 64 readable elements of kind `KF` at `p`.
