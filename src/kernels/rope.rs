@@ -15,7 +15,6 @@ use crate::ops::RopeMath;
 use crate::pool::Pooled;
 use crate::simd::IsaToken;
 use crate::simd::rope::{HalfRows, RopeRow, Round, narrow, rotate_token, widen};
-use rayon::prelude::*;
 
 /// The first element of each row's slot in layer `layer`, plus `offset` (the V part, or 0).
 pub(crate) fn slot_bases(plan: &SlotPlan, shape: &CacheShape, layer: usize, offset: usize) -> Pooled<Option<usize>> {
@@ -68,31 +67,85 @@ impl<F: Element> RopeSpec<'_, F> {
     }
 }
 
-/// Rows below which a call runs on the calling thread (a decode step's few tokens), and the
-/// fewest rows a parallel task takes.
+/// Rows below which a call runs on the calling thread (a decode step's few tokens).
 const PAR_ROWS: usize = 8;
 
-/// Runs `job(row, buffers, output row)` for every row (`output` in rows of `width`), on rayon
-/// when `parallel` and there are enough rows; each task's buffers come from its thread's pool.
+/// Runs `job(row, buffers, output row)` for every row (`output` in rows of `width`) whose
+/// `active(row)` holds. When `parallel`, with enough rows and more than one thread, the rows are
+/// cut into one contiguous share per thread of the current rayon pool, each holding as many
+/// active rows as the others (an inactive row, a padded or unslotted one, costs next to nothing),
+/// and the shares run through a tree of `rayon::join`; each share's buffers come from its
+/// thread's pool.
+///
+/// Why one share per thread instead of rayon's adaptive split of the rows (`par_chunks_mut` +
+/// `with_min_len(4)`, the earlier version): every split is a task with its own wake-up and
+/// buffers, and on calls of a few µs that overhead was the difference between one and two
+/// threads. Measured on AMD Zen 5, 2 threads, paired bench (`cargo bench --bench rope --
+/// 'paired/rope/.*/t(64|512)/bytes/rope_t2'`, two interleaved runs of each), RoPE ÷ copy:
+/// Llama-3-8B bf16 64 tokens 0.46–0.48 → 0.49–0.54, Qwen2.5-0.5B f32 64 tokens 0.32–0.42 → 0.55
+/// and 512 tokens 0.74–0.75 → 0.79; no case slower beyond the run-to-run spread. A plain
+/// `par_chunks_mut` of one share per thread read 0.37–0.52 / 0.45–0.51 / 0.74–0.78 (README).
 fn for_rows<T: Send>(
     parallel: bool,
     output: &mut [T],
     width: usize,
+    active: impl Fn(usize) -> bool + Sync,
     job: impl Fn(usize, &mut (Pooled<f32>, Pooled<f32>), &mut [T]) + Sync,
 ) {
     let rows = output.len() / width;
-    if parallel && rows >= PAR_ROWS {
-        output
-            .par_chunks_mut(width)
-            .enumerate()
-            .with_min_len(PAR_ROWS / 2)
-            .for_each_init(|| (Pooled::new(), Pooled::new()), |bufs, (r, o)| job(r, bufs, o));
-    } else {
+    let threads = if parallel && rows >= PAR_ROWS { rayon::current_num_threads().min(rows) } else { 1 };
+    let share = |first: usize, out: &mut [T]| {
         let mut bufs = (Pooled::new(), Pooled::new());
-        for (r, o) in output.chunks_mut(width).enumerate() {
-            job(r, &mut bufs, o);
+        for (i, o) in out.chunks_mut(width).enumerate() {
+            if active(first + i) {
+                job(first + i, &mut bufs, o);
+            }
         }
+    };
+    if threads <= 1 {
+        share(0, output);
+        return;
     }
+    shares(&share, &active, 0, output, width, threads);
+}
+
+/// Splits rows `first ..` (`output`, rows of `width`) into `threads` contiguous shares of equal
+/// active rows and runs `share` on each, recursively halving the thread count through
+/// `rayon::join` (O(rows · log threads) counting, no allocation).
+fn shares<T: Send>(
+    share: &(impl Fn(usize, &mut [T]) + Sync),
+    active: &(impl Fn(usize) -> bool + Sync),
+    first: usize,
+    output: &mut [T],
+    width: usize,
+    threads: usize,
+) {
+    let rows = output.len() / width;
+    if threads <= 1 || rows < 2 {
+        share(first, output);
+        return;
+    }
+    let left = threads / 2;
+    let cut = cut(active, first, rows, left, threads);
+    let (a, b) = output.split_at_mut(cut * width);
+    rayon::join(
+        || shares(share, active, first, a, width, left),
+        || shares(share, active, first + cut, b, width, threads - left),
+    );
+}
+
+/// The number of rows, from `first` on, that the first `left` of `threads` threads take: the
+/// fewest rows holding `⌊total · left / threads⌋` of the `total` active rows among `first ..
+/// first + rows`.
+fn cut(active: impl Fn(usize) -> bool, first: usize, rows: usize, left: usize, threads: usize) -> usize {
+    let total = (first..first + rows).filter(|&r| active(r)).count();
+    let want = total * left / threads;
+    let (mut seen, mut cut) = (0, 0);
+    while cut < rows && seen < want {
+        seen += usize::from(active(first + cut));
+        cut += 1;
+    }
+    cut
 }
 
 /// Runs a validated RoPE call: for every row with a slot and a position, rotate its Q heads
@@ -114,10 +167,11 @@ pub(crate) fn rope_rows<T: Element, F: Element, C: Element>(
     assert!(qw > 0 && output.len() == bases.len() * qw && positions.len() == bases.len());
     let cache = SharedMut::new(cache);
     let rd = spec.rope_dim;
+    let active = |r: usize| bases[r].is_some() && positions[r].is_some();
     // The commonest case (half-split, `F32` math, whole heads of whole vectors) decided once for
     // the call rather than per token in `RopeSpec::row`: the same kernels and bits.
     if let Some(half) = HalfRows::<T, C>::new(token, spec.interleaved, spec.round(), rd, spec.q_heads, spec.k_heads) {
-        for_rows(parallel, output, qw, |r, bufs, o| {
+        for_rows(parallel, output, qw, active, |r, bufs, o| {
             let (Some(base), Some(p)) = (bases[r], positions[r]) else { return };
             // SAFETY: as in the general loop below: distinct rows have distinct slots (the
             // validated plan), each row is visited by one task, nothing else touches `cache`.
@@ -127,7 +181,7 @@ pub(crate) fn rope_rows<T: Element, F: Element, C: Element>(
         });
         return;
     }
-    for_rows(parallel, output, qw, |r, bufs, o| {
+    for_rows(parallel, output, qw, active, |r, bufs, o| {
         let (Some(base), Some(p)) = (bases[r], positions[r]) else { return };
         // SAFETY: the validated slot plan gives every row its own slot, so the ranges
         // `base .. base + kw` of distinct rows are disjoint (a slot holds the row's kw K values),
@@ -155,13 +209,87 @@ pub(crate) fn store_rows<T: Element, C: Element>(
     // The rows of `values` are read-only: `for_rows` walks a slice of units, one per row (a
     // `Vec<()>` never allocates).
     let mut rows = vec![(); bases.len()];
-    for_rows(parallel, &mut rows, 1, |r, bufs, _| {
-        let Some(base) = bases[r] else { return };
-        // SAFETY: as in `rope_rows`: distinct rows have distinct slots, `width` values each.
-        let dst = unsafe { cache.slice_mut(base, width) };
-        // Through f32 also for equal types: the oracle's `C::from_f32(v.to_f32())`, NaNs included.
-        bufs.0.resize(width, 0.0);
-        widen(token, &values[r * width..(r + 1) * width], &mut bufs.0);
-        narrow(token, &bufs.0, dst);
-    });
+    for_rows(
+        parallel,
+        &mut rows,
+        1,
+        |r| bases[r].is_some(),
+        |r, bufs, _| {
+            let Some(base) = bases[r] else { return };
+            // SAFETY: as in `rope_rows`: distinct rows have distinct slots, `width` values each.
+            let dst = unsafe { cache.slice_mut(base, width) };
+            // Through f32 also for equal types: the oracle's `C::from_f32(v.to_f32())`, NaNs included.
+            bufs.0.resize(width, 0.0);
+            widen(token, &values[r * width..(r + 1) * width], &mut bufs.0);
+            narrow(token, &bufs.0, dst);
+        },
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{PAR_ROWS, cut, for_rows};
+    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+
+    /// Which rows of `rows` are active, by pattern.
+    fn pattern(p: usize, r: usize, rows: usize) -> bool {
+        match p {
+            0 => true,
+            1 => false,
+            2 => r % 3 == 1,
+            3 => r + 1 == rows,
+            4 => r < rows / 2,
+            _ => r > rows / 2,
+        }
+    }
+
+    /// Every active row runs exactly once, with its own output row, and no inactive row runs,
+    /// whatever the thread count (more threads than rows included) and where the active rows lie.
+    #[test]
+    fn for_rows_runs_each_active_row_once() {
+        for threads in [1, 2, 3, 8] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            for rows in [0, 1, PAR_ROWS - 1, PAR_ROWS, PAR_ROWS + 1, 64, 65] {
+                for p in 0..6 {
+                    let hits: Vec<AtomicUsize> = (0..rows).map(|_| AtomicUsize::new(0)).collect();
+                    let mut out = vec![usize::MAX; 3 * rows];
+                    let active = |r: usize| pattern(p, r, rows);
+                    pool.install(|| {
+                        for_rows(true, &mut out, 3, active, |r, _, o| {
+                            hits[r].fetch_add(1, Relaxed);
+                            o.fill(r);
+                        })
+                    });
+                    for r in 0..rows {
+                        let (want, got) = (usize::from(active(r)), hits[r].load(Relaxed));
+                        assert_eq!(got, want, "{threads} threads, {rows} rows, pattern {p}: row {r}");
+                        let row = if active(r) { r } else { usize::MAX };
+                        assert_eq!(out[3 * r..3 * r + 3], [row; 3], "{threads} threads, {rows} rows, pattern {p}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// The left part of a cut holds its share of the active rows, however they lie.
+    #[test]
+    fn cut_balances_active_rows() {
+        for rows in [2, 9, 64, 65] {
+            for p in 0..6 {
+                for threads in [2, 3, 5, 8] {
+                    for first in [0, 7] {
+                        let active = |r: usize| pattern(p, r - first, rows);
+                        let left = threads / 2;
+                        let c = cut(active, first, rows, left, threads);
+                        let total = (first..first + rows).filter(|&r| active(r)).count();
+                        let got = (first..first + c).filter(|&r| active(r)).count();
+                        assert!(c <= rows);
+                        assert_eq!(got, total * left / threads, "{rows} rows, pattern {p}, {threads} threads");
+                        // The fewest such rows: the last row of the left part is active (or it is empty).
+                        assert!(c == 0 || active(first + c - 1), "{rows} rows, pattern {p}, {threads} threads");
+                    }
+                }
+            }
+        }
+    }
 }
