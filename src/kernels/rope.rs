@@ -67,15 +67,17 @@ impl<F: Element> RopeSpec<'_, F> {
     }
 }
 
-/// Rows below which a call runs on the calling thread (a decode step's few tokens).
+/// Rows below which a call runs on the calling thread (a decode step's few tokens), and the
+/// fewest rows a share takes (`PAR_ROWS / 2`: a pool of many threads does not cut a small call
+/// into shares of a row or two, whose joins would cost more than their rows).
 const PAR_ROWS: usize = 8;
 
 /// Runs `job(row, buffers, output row)` for every row (`output` in rows of `width`) whose
 /// `active(row)` holds. When `parallel`, with enough rows and more than one thread, the rows are
-/// cut into one contiguous share per thread of the current rayon pool, each holding as many
-/// active rows as the others (an inactive row, a padded or unslotted one, costs next to nothing),
-/// and the shares run through a tree of `rayon::join`; each share's buffers come from its
-/// thread's pool.
+/// cut into one contiguous share per thread of the current rayon pool (at most one per
+/// `PAR_ROWS / 2` rows), each holding as many active rows as the others (an inactive row, a
+/// padded or unslotted one, costs next to nothing), and the shares run through a tree of
+/// `rayon::join`; each share's buffers come from its thread's pool.
 ///
 /// Why one share per thread instead of rayon's adaptive split of the rows (`par_chunks_mut` +
 /// `with_min_len(4)`, the earlier version): every split is a task with its own wake-up and
@@ -93,7 +95,8 @@ fn for_rows<T: Send>(
     job: impl Fn(usize, &mut (Pooled<f32>, Pooled<f32>), &mut [T]) + Sync,
 ) {
     let rows = output.len() / width;
-    let threads = if parallel && rows >= PAR_ROWS { rayon::current_num_threads().min(rows) } else { 1 };
+    let threads =
+        if parallel && rows >= PAR_ROWS { rayon::current_num_threads().min(rows / (PAR_ROWS / 2)) } else { 1 };
     let share = |first: usize, out: &mut [T]| {
         let mut bufs = (Pooled::new(), Pooled::new());
         for (i, o) in out.chunks_mut(width).enumerate() {
