@@ -790,6 +790,58 @@ fn kv_stores_every_isa() {
     go!(paged_qkv::E4M3);
 }
 
+/// The parallel row split (one share per pool thread, balanced by rows with work) on pools of
+/// 1, 2, 3 and 5 threads, with the padding of a BSHD batch concentrated in one end: the padded
+/// RoPE and KV store equal the oracle bit for bit (padded rows untouched) whatever the shares.
+#[test]
+fn rope_and_kv_store_thread_counts_and_skewed_padding() {
+    let mut rng = Rng::new(79);
+    let (batch, seq, hq, hkv, d, page) = (4, 8, 2, 1, 64, 4);
+    let shape = CacheShape::mha(64, 1, page, hkv, d).unwrap();
+    let q: Vec<bf16> = (0..batch * seq * hq * d).map(|_| bf16::from_f32(rng.normal())).collect();
+    let values: Vec<bf16> = (0..batch * seq * hkv * d).map(|_| bf16::from_f32(rng.normal())).collect();
+    let f: Vec<bf16> = freqs(32, d);
+    for valid in [[8u32, 8, 0, 1], [0, 0, 3, 8], [8, 0, 0, 0], [1, 1, 1, 1]] {
+        let lens: Vec<u32> = (0..batch).map(|_| rng.range(0, 9) as u32).collect();
+        let new: Vec<usize> = valid.iter().map(|&v| v as usize).collect();
+        let pg = pages(&mut rng, &lens, &new, page, 64);
+        let args = RopeBshdArgs {
+            q_proj: &q,
+            batch,
+            seq_len: seq,
+            num_q_heads: hq,
+            freqs_cis: &f,
+            valid_lengths: &valid,
+            interleaved: false,
+        };
+        let store = KvStoreBshdArgs { values: &values, batch, seq_len: seq, valid_lengths: &valid, which: KvSel::V };
+        let run = |e: Option<Exec>| {
+            let mut cache: PagedKvCache<bf16> = random_cache(&mut Rng::new(8), shape);
+            let mut out = vec![bf16::from_f32(-3.0); q.len()];
+            let table = PageTable::new(&pg.lookup, pg.cols, &pg.cache_lengths).unwrap();
+            let mut kv = KvWrite::new(cache.view_mut(), table, 0);
+            match e {
+                Some(e) => {
+                    fast::kv_store_bshd(&store, &mut kv, e).unwrap();
+                    fast::rope_bshd(&args, &mut out, &mut kv, RopeMath::F32, e).unwrap();
+                }
+                None => {
+                    reference::kv_store_bshd(&store, &mut kv).unwrap();
+                    reference::rope_bshd(&args, &mut out, &mut kv, RopeMath::F32).unwrap();
+                }
+            }
+            (bits(&out), bits(cache.data()))
+        };
+        let want = run(None);
+        for threads in [1, 2, 3, 5] {
+            for isa in [Isa::Scalar, Isa::best()] {
+                let e = Exec { par: Par::Rayon, isa: Some(isa) };
+                assert_eq!(crate::in_pool(threads, || run(Some(e))), want, "{valid:?} {threads} threads {isa:?}");
+            }
+        }
+    }
+}
+
 /// Small enough for Miri (`cargo +nightly miri test --test fast miri_`): the standalone RoPE and
 /// the KV store on two threads (rows reach their cache slots through raw pointers) against the
 /// sequential run and the oracle, on a scrambled page table (slots out of row order).
