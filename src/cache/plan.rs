@@ -79,13 +79,21 @@ impl SlotPlan {
                 blocks.push(block);
             }
         }
+        // Page and offset of a position: a shift and a mask for the usual power-of-two page sizes
+        // (a 64-bit division per row was ~1 % of a 512-row Qwen-shaped bf16 RoPE call on AMD Zen 5).
+        let shift = if p.is_power_of_two() { Some(p.trailing_zeros()) } else { None };
+        let split = |pos: u64| match shift {
+            Some(s) => (pos >> s, pos & (p - 1)),
+            None => (pos / p, pos % p),
+        };
         let plan: Pooled<Option<RowSlot>> = rows
             .iter()
             .map(|&(b, t, w)| {
                 w.then(|| {
                     let pos = table.cache_length(b) as u64 + t as u64;
-                    let block = table.block(b, (pos / p) as usize) as usize;
-                    RowSlot { batch: b, pos: pos as u32, block, offset: (pos % p) as usize }
+                    let (page, offset) = split(pos);
+                    let block = table.block(b, page as usize) as usize;
+                    RowSlot { batch: b, pos: pos as u32, block, offset: offset as usize }
                 })
             })
             .collect();

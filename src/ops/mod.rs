@@ -343,16 +343,19 @@ fn ragged_positions(
     if let Some(ids) = ids {
         check_tensor("position_ids", ids.len(), &[rows.len()])?;
     }
-    rows.iter()
-        .enumerate()
-        .map(|(i, &(b, t))| {
-            let p = match ids {
-                Some(ids) => ids[i] as u64,
-                None => cache_lengths[b] as u64 + t as u64,
-            };
-            check_freqs_row(p, freq_rows)
-        })
-        .collect()
+    // A plain loop rather than `map(…).collect::<Result<_>>()`: the latter moved each row's
+    // `Result` (the size of `Error`) through `try_fold`, ~4 % of a 512-row Qwen-shaped bf16 RoPE
+    // call (AMD Zen 5, `perf`).
+    let mut positions = Pooled::new();
+    positions.reserve(rows.len());
+    for (i, &(b, t)) in rows.iter().enumerate() {
+        let p = match ids {
+            Some(ids) => ids[i] as u64,
+            None => cache_lengths[b] as u64 + t as u64,
+        };
+        positions.push(check_freqs_row(p, freq_rows)?);
+    }
+    Ok(positions)
 }
 
 /// Validates a fused QKV's RoPE against the call's other (validated) arguments and returns the
