@@ -174,6 +174,17 @@ pub(crate) fn rope_rows<T: Element, F: Element, C: Element>(
     // The commonest case (half-split, `F32` math, whole heads of whole vectors) decided once for
     // the call rather than per token in `RopeSpec::row`: the same kernels and bits.
     if let Some(half) = HalfRows::<T, C>::new(token, spec.interleaved, spec.round(), rd, spec.q_heads, spec.k_heads) {
+        // Where a token kernel applies, chosen once for the call (no per-row dispatch, no buffer).
+        if let Some(tok) = half.token_fn::<F>() {
+            for_rows(parallel, output, qw, active, |r, _, o| {
+                let (Some(base), Some(p)) = (bases[r], positions[r]) else { return };
+                // SAFETY: as in the general loop below: distinct rows have distinct slots (the
+                // validated plan), each row is visited by one task, nothing else touches `cache`.
+                let k = unsafe { cache.slice_mut(base, kw) };
+                tok.run(&spec.freqs[p * rd..(p + 1) * rd], &q_proj[r * qw..(r + 1) * qw], o, k);
+            });
+            return;
+        }
         for_rows(parallel, output, qw, active, |r, bufs, o| {
             let (Some(base), Some(p)) = (bases[r], positions[r]) else { return };
             // SAFETY: as in the general loop below: distinct rows have distinct slots (the

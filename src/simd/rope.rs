@@ -513,8 +513,8 @@ impl<T: Element, C: Element> HalfRows<T, C> {
         let rd = 2 * self.hh;
         assert!(freqs.len() == rd && buf.len() >= RopeRow::len(rd));
         assert!(q.len() >= self.hq * rd && out.len() >= self.hq * rd && k.len() >= self.hk * rd);
-        #[cfg(target_arch = "x86_64")]
-        if self.token_avx512(freqs, q, out, k) {
+        if let Some(t) = self.token_fn::<F>() {
+            t.run(freqs, q, out, k);
             return;
         }
         RopeRow::fill_with(self.token, freqs, buf, false);
@@ -538,46 +538,83 @@ impl<T: Element, C: Element> HalfRows<T, C> {
         unreachable!("HalfRows::new returns None off x86: {:?}", (q.len(), out.len(), k.len()))
     }
 
-    /// [`row`](Self::row) by `token_half_avx512` where it applies (AVX-512; heads of 64 or 128
-    /// dims; Q and cache of one type; freqs f32 or of that type): the forms stay in registers for
-    /// all of the token's heads instead of going through `buf`. Returns whether it ran. The same
-    /// operations, so the same bits. Measured: see README ("RoPE on Zen 5").
-    #[cfg(target_arch = "x86_64")]
-    fn token_avx512<F: Element>(&self, freqs: &[F], q: &[T], out: &mut [T], k: &mut [C]) -> bool {
-        use super::x86::rope::{BF16, F16, F32, token_half_avx512 as tok};
-        if !matches!(self.token.0, Isa::Avx512 | Isa::Avx512Bf16)
-            || F::DTYPE == DType::F8E4M3
-            || !self.hh.is_multiple_of(32)
+    /// The kernel [`row`](Self::row) runs for freqs of type `F` when `token_half_avx512` applies
+    /// (AVX-512; heads of 64 or 128 dims; Q and cache of one type; freqs f32 or of that type):
+    /// the forms stay in registers for all of the token's heads instead of going through a
+    /// buffer. Chosen once per call, so the rows of a call skip the dispatch. The same operations,
+    /// so the same bits. Measured: see README ("RoPE on Zen 5").
+    pub fn token_fn<F: Element>(&self) -> Option<TokenFn<T, C, F>> {
+        #[cfg(target_arch = "x86_64")]
         {
-            return false;
-        }
-        let (hq, hk, n) = (self.hq, self.hk, self.hh / 32);
-        let (f, qp, op, kp) =
-            (freqs.as_ptr().cast(), q.as_ptr().cast(), out.as_mut_ptr().cast(), k.as_mut_ptr().cast());
-        macro_rules! run {
-            ($kq:ident, $kk:ident, $kf:ident) => {
-                // SAFETY: the token proves AVX-512 F and BW; `row` asserted freqs (2 hh = 64 n
-                // elements of F, whose kind is $kf), q and out (hq · 64 n of T, kind $kq, distinct
-                // borrows) and k (hk · 64 n of C, kind $kk); `new` checked the kinds' half-split
-                // kernel applies (F32 math, half-split, whole heads).
-                unsafe {
+            use super::x86::rope::{BF16, F16, F32, token_half_avx512 as tok};
+            if !matches!(self.token.0, Isa::Avx512 | Isa::Avx512Bf16)
+                || F::DTYPE == DType::F8E4M3
+                || !self.hh.is_multiple_of(32)
+            {
+                return None;
+            }
+            let n = self.hh / 32;
+            macro_rules! pick {
+                ($kq:ident, $kk:ident, $kf:ident) => {
                     match n {
-                        1 => tok::<$kq, $kk, $kf, 1>(f, qp, op, hq, kp, hk),
-                        2 => tok::<$kq, $kk, $kf, 2>(f, qp, op, hq, kp, hk),
-                        _ => return false,
+                        1 => tok::<$kq, $kk, $kf, 1> as TokenKernel,
+                        2 => tok::<$kq, $kk, $kf, 2> as TokenKernel,
+                        _ => return None,
                     }
-                }
+                };
+            }
+            let f = match (self.kinds, x86_kind::<F>()) {
+                ((BF16, BF16), F32) => pick!(BF16, BF16, F32),
+                ((BF16, BF16), BF16) => pick!(BF16, BF16, BF16),
+                ((F16, F16), F32) => pick!(F16, F16, F32),
+                ((F16, F16), F16) => pick!(F16, F16, F16),
+                ((F32, F32), F32) => pick!(F32, F32, F32),
+                _ => return None,
             };
+            Some(TokenFn { f, hq: self.hq, hk: self.hk, rd: 2 * self.hh, types: std::marker::PhantomData })
         }
-        match (self.kinds, x86_kind::<F>()) {
-            ((BF16, BF16), F32) => run!(BF16, BF16, F32),
-            ((BF16, BF16), BF16) => run!(BF16, BF16, BF16),
-            ((F16, F16), F32) => run!(F16, F16, F32),
-            ((F16, F16), F16) => run!(F16, F16, F16),
-            ((F32, F32), F32) => run!(F32, F32, F32),
-            _ => return false,
+        #[cfg(not(target_arch = "x86_64"))]
+        None
+    }
+}
+
+/// `token_half_avx512::<KQ, KK, KF, N>`'s signature (`freqs, q, out, hq, k, hk`).
+type TokenKernel = unsafe fn(*const u8, *const u8, *mut u8, usize, *mut u8, usize);
+
+/// A token kernel chosen by [`HalfRows::token_fn`] for Q heads of `T`, cache heads of `C` and
+/// freqs of `F`: only `token_fn` makes one, after checking that the kernel's ISA is available
+/// and that it takes these element types, this head size and these head counts.
+pub(crate) struct TokenFn<T, C, F> {
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    f: TokenKernel,
+    hq: usize,
+    hk: usize,
+    /// Rotary dims (the head size).
+    rd: usize,
+    types: std::marker::PhantomData<fn(&T, &C, &F)>,
+}
+
+impl<T: Element, C: Element, F: Element> TokenFn<T, C, F> {
+    /// One token, as [`HalfRows::row`]: the freqs row `freqs`, its Q heads from `q` into `out`
+    /// and its K heads in place in `k`.
+    #[inline]
+    pub fn run(&self, freqs: &[F], q: &[T], out: &mut [T], k: &mut [C]) {
+        let rd = self.rd;
+        assert!(freqs.len() == rd && q.len() >= self.hq * rd && out.len() >= self.hq * rd && k.len() >= self.hk * rd);
+        // SAFETY: `token_fn` made `f` only where the token proves AVX-512 F and BW and the kernel
+        // takes F (freqs, rd = 64 N elements, asserted), T (q and out: hq · 64 N each, asserted;
+        // distinct borrows) and C (k: hk · 64 N, asserted, rotated in place), the kinds being
+        // these types' (the struct's type parameters).
+        unsafe {
+            (self.f)(
+                freqs.as_ptr().cast(),
+                q.as_ptr().cast(),
+                out.as_mut_ptr().cast(),
+                self.hq,
+                k.as_mut_ptr().cast(),
+                self.hk,
+            )
         }
-        true
     }
 }
 
