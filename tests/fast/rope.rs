@@ -790,6 +790,45 @@ fn kv_stores_every_isa() {
     go!(paged_qkv::E4M3);
 }
 
+/// A KV store followed by a RoPE on the same cache, ragged or padded (bf16 values and Q).
+enum StoreThenRope<'a> {
+    Ragged(KvStoreRaggedArgs<'a, bf16>, RopeRaggedArgs<'a, bf16, f32>),
+    Bshd(KvStoreBshdArgs<'a, bf16>, RopeBshdArgs<'a, bf16>),
+}
+
+impl StoreThenRope<'_> {
+    /// Runs both (`F32` math) by the fast path with `e`, or by the oracle (`None`), into a fresh
+    /// copy of `cache`, and returns the RoPE output's and the cache's bits.
+    fn run(
+        &self,
+        e: Option<Exec>,
+        cache: &PagedKvCache<bf16>,
+        table: PageTable<'_>,
+        out_len: usize,
+        fill: bf16,
+    ) -> (Vec<u32>, Vec<u32>) {
+        let mut cache = cache.clone();
+        let mut out = vec![fill; out_len];
+        let mut kv = KvWrite::new(cache.view_mut(), table, 0);
+        let m = RopeMath::F32;
+        match (self, e) {
+            (StoreThenRope::Ragged(st, _), Some(e)) => fast::kv_store_ragged(st, &mut kv, e),
+            (StoreThenRope::Ragged(st, _), None) => reference::kv_store_ragged(st, &mut kv),
+            (StoreThenRope::Bshd(st, _), Some(e)) => fast::kv_store_bshd(st, &mut kv, e),
+            (StoreThenRope::Bshd(st, _), None) => reference::kv_store_bshd(st, &mut kv),
+        }
+        .unwrap();
+        match (self, e) {
+            (StoreThenRope::Ragged(_, r), Some(e)) => fast::rope_ragged(r, &mut out, &mut kv, m, e),
+            (StoreThenRope::Ragged(_, r), None) => reference::rope_ragged(r, &mut out, &mut kv, m),
+            (StoreThenRope::Bshd(_, r), Some(e)) => fast::rope_bshd(r, &mut out, &mut kv, m, e),
+            (StoreThenRope::Bshd(_, r), None) => reference::rope_bshd(r, &mut out, &mut kv, m),
+        }
+        .unwrap();
+        (bits(&out), bits(cache.data()))
+    }
+}
+
 /// The parallel row split (one share per pool thread, balanced by rows with work) on pools of
 /// 1, 2, 3 and 5 threads, with the padding of a BSHD batch concentrated in one end: the padded
 /// RoPE and KV store equal the oracle bit for bit (padded rows untouched) whatever the shares.
@@ -805,33 +844,21 @@ fn rope_and_kv_store_thread_counts_and_skewed_padding() {
         let lens: Vec<u32> = (0..batch).map(|_| rng.range(0, 9) as u32).collect();
         let new: Vec<usize> = valid.iter().map(|&v| v as usize).collect();
         let pg = pages(&mut rng, &lens, &new, page, 64);
+        let (seq_len, valid_lengths) = (seq, &valid[..]);
         let args = RopeBshdArgs {
             q_proj: &q,
             batch,
-            seq_len: seq,
+            seq_len,
             num_q_heads: hq,
             freqs_cis: &f,
-            valid_lengths: &valid,
+            valid_lengths,
             interleaved: false,
         };
-        let store = KvStoreBshdArgs { values: &values, batch, seq_len: seq, valid_lengths: &valid, which: KvSel::V };
-        let run = |e: Option<Exec>| {
-            let mut cache: PagedKvCache<bf16> = random_cache(&mut Rng::new(8), shape);
-            let mut out = vec![bf16::from_f32(-3.0); q.len()];
-            let table = PageTable::new(&pg.lookup, pg.cols, &pg.cache_lengths).unwrap();
-            let mut kv = KvWrite::new(cache.view_mut(), table, 0);
-            match e {
-                Some(e) => {
-                    fast::kv_store_bshd(&store, &mut kv, e).unwrap();
-                    fast::rope_bshd(&args, &mut out, &mut kv, RopeMath::F32, e).unwrap();
-                }
-                None => {
-                    reference::kv_store_bshd(&store, &mut kv).unwrap();
-                    reference::rope_bshd(&args, &mut out, &mut kv, RopeMath::F32).unwrap();
-                }
-            }
-            (bits(&out), bits(cache.data()))
-        };
+        let store = KvStoreBshdArgs { values: &values, batch, seq_len, valid_lengths, which: KvSel::V };
+        let call = StoreThenRope::Bshd(store, args);
+        let cache: PagedKvCache<bf16> = random_cache(&mut Rng::new(8), shape);
+        let table = PageTable::new(&pg.lookup, pg.cols, &pg.cache_lengths).unwrap();
+        let run = |e: Option<Exec>| call.run(e, &cache, table, q.len(), bf16::from_f32(-3.0));
         let want = run(None);
         for threads in [1, 2, 3, 5] {
             for isa in [Isa::Scalar, Isa::best()] {
@@ -855,33 +882,21 @@ fn miri_rope_and_kv_store_parallel() {
     let values: Vec<bf16> = (0..m * hkv * d).map(|_| bf16::from_f32(rng.normal())).collect();
     let offs = [0u32, 4, m as u32];
     let lookup = [5u32, 1, 7, 0, 3, 6, 2, 4]; // 2 sequences × 4 pages of 2
-    let run = |e: Option<Exec>| {
-        let mut cache: PagedKvCache<bf16> = random_cache(&mut Rng::new(5), shape);
-        let mut out = vec![bf16::ZERO; q.len()];
-        let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&lookup, 4, &[1, 0]).unwrap(), 0);
-        let store = KvStoreRaggedArgs { values: &values, input_row_offsets: &offs, which: KvSel::K };
-        let rope = RopeRaggedArgs {
-            q_proj: &q,
-            input_row_offsets: &offs,
-            num_q_heads: hq,
-            q_head_size: d,
-            freqs_cis: &freqs,
-            rope_dim: d,
-            position_ids: None,
-            interleaved: false,
-        };
-        match e {
-            Some(e) => {
-                fast::kv_store_ragged(&store, &mut kv, e).unwrap();
-                fast::rope_ragged(&rope, &mut out, &mut kv, RopeMath::F32, e).unwrap();
-            }
-            None => {
-                reference::kv_store_ragged(&store, &mut kv).unwrap();
-                reference::rope_ragged(&rope, &mut out, &mut kv, RopeMath::F32).unwrap();
-            }
-        }
-        (bits(&out), bits(cache.data()))
+    let store = KvStoreRaggedArgs { values: &values, input_row_offsets: &offs, which: KvSel::K };
+    let rope = RopeRaggedArgs {
+        q_proj: &q,
+        input_row_offsets: &offs,
+        num_q_heads: hq,
+        q_head_size: d,
+        freqs_cis: &freqs,
+        rope_dim: d,
+        position_ids: None,
+        interleaved: false,
     };
+    let call = StoreThenRope::Ragged(store, rope);
+    let cache: PagedKvCache<bf16> = random_cache(&mut Rng::new(5), shape);
+    let table = PageTable::new(&lookup, 4, &[1, 0]).unwrap();
+    let run = |e: Option<Exec>| call.run(e, &cache, table, q.len(), bf16::ZERO);
     let want = run(None);
     assert_eq!(run(Some(Exec::sequential())), want);
     assert_eq!(crate::in_pool(2, || run(Some(Exec::default()))), want);
