@@ -460,7 +460,7 @@ pub(crate) fn rotate_token<T: Element, C: Element>(
 /// ten cases (bf16 Qwen 64 / 512 and Llama 64 / 512 tokens, f32 Qwen 512; one and two threads),
 /// e.g. 512 Qwen-shaped bf16 tokens on one core 72.8 → 70.7 µs. perf had put the per-token code
 /// outside the kernels at a fifth of the samples; most of that was waiting on the kernels' data.
-/// On AVX-512, heads of 64 or 128 dims go to one token kernel instead (`token_half_avx512`: the
+/// On AVX-512, heads of 64 or 128 dims go to one token kernel instead (`token_fn`: the
 /// forms in registers, no buffer): AMD Zen 5, one core, 512 Qwen-shaped bf16 tokens ~37 → 29 µs,
 /// 512 Llama-shaped 155–161 → 103–106 µs (README, "RoPE on Zen 5").
 pub(crate) struct HalfRows<T, C> {
@@ -508,15 +508,12 @@ impl<T: Element, C: Element> HalfRows<T, C> {
     }
 
     /// One token: the freqs row `freqs` (`rope_dim` values) into `buf`, its Q heads from `q` into
-    /// `out` and its K heads in place in `k`.
+    /// `out` and its K heads in place in `k`. (Where [`token_fn`](Self::token_fn) gives a kernel,
+    /// that kernel computes the same without the buffer: the caller picks it once per call.)
     pub fn row<F: Element>(&self, freqs: &[F], q: &[T], out: &mut [T], k: &mut [C], buf: &mut [f32]) {
         let rd = 2 * self.hh;
         assert!(freqs.len() == rd && buf.len() >= RopeRow::len(rd));
         assert!(q.len() >= self.hq * rd && out.len() >= self.hq * rd && k.len() >= self.hk * rd);
-        if let Some(t) = self.token_fn::<F>() {
-            t.run(freqs, q, out, k);
-            return;
-        }
         RopeRow::fill_with(self.token, freqs, buf, false);
         #[cfg(target_arch = "x86_64")]
         {
@@ -538,11 +535,11 @@ impl<T: Element, C: Element> HalfRows<T, C> {
         unreachable!("HalfRows::new returns None off x86: {:?}", (q.len(), out.len(), k.len()))
     }
 
-    /// The kernel [`row`](Self::row) runs for freqs of type `F` when `token_half_avx512` applies
-    /// (AVX-512; heads of 64 or 128 dims; Q and cache of one type; freqs f32 or of that type):
-    /// the forms stay in registers for all of the token's heads instead of going through a
-    /// buffer. Chosen once per call, so the rows of a call skip the dispatch. The same operations,
-    /// so the same bits. Measured: see README ("RoPE on Zen 5").
+    /// The token kernel for freqs of type `F`, where `token_half_avx512` applies (AVX-512; heads
+    /// of 64 or 128 dims; Q and cache of one type; freqs f32 or of that type): the forms stay in
+    /// registers for all of the token's heads instead of going through [`row`](Self::row)'s
+    /// buffer. Chosen once per call, so the rows of a call skip the dispatch. The same
+    /// operations, so the same bits. Measured: see README ("RoPE on Zen 5").
     pub fn token_fn<F: Element>(&self) -> Option<TokenFn<T, C, F>> {
         #[cfg(target_arch = "x86_64")]
         {
