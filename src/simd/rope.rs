@@ -374,7 +374,8 @@ fn half_kernel<T: Element>(token: IsaToken, interleaved: bool, r: Round, hh: usi
 /// `heads_half_avx512`) for elements of `kind`.
 ///
 /// # Safety
-/// `token` is `Avx2`, `Avx512` or `Avx512Bf16` (so detected); the kernel's contract holds for
+/// `token` is `Avx2`, `Avx512` or `Avx512Bf16` (so detected; `Avx512Bf16` stores bf16 heads by
+/// `vcvtne2ps2bf16`, the same bits); the kernel's contract holds for
 /// elements of `kind` (`x86_kind`): `src`, `x` hold `heads · d` of them (the same pointer or not
 /// overlapping), `super::x86::rope::half_fast_path` holds for `hh` and `2 · hh ≤ d`, `row`
 /// holds the half-split forms of `hh` pairs.
@@ -392,15 +393,16 @@ unsafe fn heads_half_x86(
 ) {
     use super::x86::rope::{BF16, F16, F32, heads_half_avx2, heads_half_avx512};
     // SAFETY: the caller's contract is each kernel's (AVX2, FMA and F16C for `Avx2`, AVX-512 F
-    // and BW for the others, detected as the token proves).
+    // and BW for the others, plus BF16 for `Avx512Bf16`, detected as the token proves).
     unsafe {
-        match (token.0 == Isa::Avx2, kind) {
-            (false, BF16) => heads_half_avx512::<BF16>(src, x, heads, d, hh, row),
-            (false, F16) => heads_half_avx512::<F16>(src, x, heads, d, hh, row),
-            (false, _) => heads_half_avx512::<F32>(src, x, heads, d, hh, row),
-            (true, BF16) => heads_half_avx2::<BF16>(src, x, heads, d, hh, row),
-            (true, F16) => heads_half_avx2::<F16>(src, x, heads, d, hh, row),
-            (true, _) => heads_half_avx2::<F32>(src, x, heads, d, hh, row),
+        match (token.0, kind) {
+            (Isa::Avx512Bf16, BF16) => heads_half_avx512::<BF16, true>(src, x, heads, d, hh, row),
+            (Isa::Avx2, BF16) => heads_half_avx2::<BF16>(src, x, heads, d, hh, row),
+            (Isa::Avx2, F16) => heads_half_avx2::<F16>(src, x, heads, d, hh, row),
+            (Isa::Avx2, _) => heads_half_avx2::<F32>(src, x, heads, d, hh, row),
+            (_, BF16) => heads_half_avx512::<BF16, false>(src, x, heads, d, hh, row),
+            (_, F16) => heads_half_avx512::<F16, false>(src, x, heads, d, hh, row),
+            (_, _) => heads_half_avx512::<F32, false>(src, x, heads, d, hh, row),
         }
     }
 }
@@ -551,16 +553,24 @@ impl<T: Element, C: Element> HalfRows<T, C> {
                 return None;
             }
             let n = self.hh / 32;
+            // bf16 heads stored by `vcvtne2ps2bf16` where the token proves AVX-512 BF16 (the
+            // same bits; `join_bf16_cvt`).
+            let cvt = self.token.0 == Isa::Avx512Bf16;
             macro_rules! pick {
-                ($kq:ident, $kk:ident, $kf:ident) => {
+                ($kq:ident, $kk:ident, $kf:ident, $cvt:literal) => {
                     match n {
-                        1 => tok::<$kq, $kk, $kf, 1> as TokenKernel,
-                        2 => tok::<$kq, $kk, $kf, 2> as TokenKernel,
+                        1 => tok::<$kq, $kk, $kf, 1, $cvt> as TokenKernel,
+                        2 => tok::<$kq, $kk, $kf, 2, $cvt> as TokenKernel,
                         _ => return None,
                     }
                 };
+                ($kq:ident, $kk:ident, $kf:ident) => {
+                    pick!($kq, $kk, $kf, false)
+                };
             }
             let f = match (self.kinds, x86_kind::<F>()) {
+                ((BF16, BF16), F32) if cvt => pick!(BF16, BF16, F32, true),
+                ((BF16, BF16), BF16) if cvt => pick!(BF16, BF16, BF16, true),
                 ((BF16, BF16), F32) => pick!(BF16, BF16, F32),
                 ((BF16, BF16), BF16) => pick!(BF16, BF16, BF16),
                 ((F16, F16), F32) => pick!(F16, F16, F32),
@@ -575,7 +585,7 @@ impl<T: Element, C: Element> HalfRows<T, C> {
     }
 }
 
-/// `token_half_avx512::<KQ, KK, KF, N>`'s signature (`freqs, q, out, hq, k, hk`).
+/// `token_half_avx512::<KQ, KK, KF, N, CVT>`'s signature (`freqs, q, out, hq, k, hk`).
 type TokenKernel = unsafe fn(*const u8, *const u8, *mut u8, usize, *mut u8, usize);
 
 /// A token kernel chosen by [`HalfRows::token_fn`] for Q heads of `T`, cache heads of `C` and
@@ -598,7 +608,8 @@ impl<T: Element, C: Element, F: Element> TokenFn<T, C, F> {
     pub fn run(&self, freqs: &[F], q: &[T], out: &mut [T], k: &mut [C]) {
         let rd = self.rd;
         assert!(freqs.len() == rd && q.len() >= self.hq * rd && out.len() >= self.hq * rd && k.len() >= self.hk * rd);
-        // SAFETY: `token_fn` made `f` only where the token proves AVX-512 F and BW and the kernel
+        // SAFETY: `token_fn` made `f` only where the token proves AVX-512 F and BW (and BF16 for
+        // the `CVT` kernels, which it picks only for `Avx512Bf16`) and the kernel
         // takes F (freqs, rd = 64 N elements, asserted), T (q and out: hq · 64 N each, asserted;
         // distinct borrows) and C (k: hk · 64 N, asserted, rotated in place), the kinds being
         // these types' (the struct's type parameters).
