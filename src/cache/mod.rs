@@ -171,6 +171,15 @@ impl CacheShape {
     pub fn slot_base(&self, block: usize, layer: usize, slot: usize) -> usize {
         self.index(block, 0, layer, slot, 0, 0)
     }
+    /// [`slot_base`](Self::slot_base) of `layer` as a function of `(block, slot)`, the strides
+    /// computed once: two multiplications per row instead of `index`'s chain of five (the
+    /// per-row slot bases were ~3 % of a 512-row Qwen-shaped bf16 RoPE call, AMD Zen 5, `perf`).
+    #[inline]
+    pub(crate) fn slot_base_fn(&self, layer: usize) -> impl Fn(usize, usize) -> usize + use<> {
+        let slot = self.num_kv_heads * self.head_size;
+        let (block, at) = (self.kv_dim * self.num_layers * self.page_size * slot, layer * self.page_size * slot);
+        move |b, s| b * block + at + s * slot
+    }
     /// The coordinates `[block, kv, layer, slot, head, dim]` of a flat index.
     pub fn coords(&self, mut index: usize) -> [usize; 6] {
         let dims = self.dims();
@@ -322,5 +331,36 @@ impl<'a, T: Element> KvWrite<'a, T> {
     /// Bundles the three.
     pub fn new(cache: PagedKvCacheMut<'a, T>, page_table: PageTable<'a>, layer_idx: usize) -> Self {
         KvWrite { cache, page_table, layer_idx }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CacheShape;
+
+    /// `slot_base_fn` gives `slot_base` (the 6-D index) for every block, layer and slot, on MHA
+    /// and MLA shapes of several layers, page sizes (a power of two or not) and head counts.
+    #[test]
+    fn slot_base_fn_equals_slot_base() {
+        let shapes = [
+            CacheShape::mha(3, 4, 5, 2, 8).unwrap(),
+            CacheShape::mha(2, 1, 16, 8, 128).unwrap(),
+            CacheShape::mla(4, 3, 7, 1, 576).unwrap(),
+            CacheShape::mha(1, 2, 1, 1, 1).unwrap(),
+        ];
+        for shape in shapes {
+            for layer in 0..shape.num_layers() {
+                let base = shape.slot_base_fn(layer);
+                for block in 0..shape.num_blocks() {
+                    for slot in 0..shape.page_size() {
+                        assert_eq!(
+                            base(block, slot),
+                            shape.slot_base(block, layer, slot),
+                            "{shape:?} {layer} {block} {slot}"
+                        );
+                    }
+                }
+            }
+        }
     }
 }

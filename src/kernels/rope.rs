@@ -18,7 +18,8 @@ use crate::simd::rope::{HalfRows, RopeRow, Round, narrow, rotate_token, widen};
 
 /// The first element of each row's slot in layer `layer`, plus `offset` (the V part, or 0).
 pub(crate) fn slot_bases(plan: &SlotPlan, shape: &CacheShape, layer: usize, offset: usize) -> Pooled<Option<usize>> {
-    plan.rows.iter().map(|s| s.map(|s| shape.slot_base(s.block, layer, s.offset) + offset)).collect()
+    let base = shape.slot_base_fn(layer);
+    plan.rows.iter().map(|s| s.map(|s| base(s.block, s.offset) + offset)).collect()
 }
 
 /// What one RoPE call rotates.

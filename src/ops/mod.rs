@@ -330,16 +330,18 @@ pub(crate) fn validate_rope_ragged<T: Element, F: Element, C: Element>(
     let positions = ragged_positions(&rows, args.position_ids, kv.page_table.cache_lengths(), freq_rows)?;
     let writes: Pooled<_> = rows.iter().map(|&(b, t)| (b, t, true)).collect();
     let plan = SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)?;
-    Ok((plan, positions.iter().map(|&p| Some(p)).collect()))
+    Ok((plan, positions))
 }
 
-/// The freqs row of every row of a ragged batch: `position_ids[i]`, or `cache_lengths[b] + t`.
+/// The freqs row of every row of a ragged batch: `position_ids[i]`, or `cache_lengths[b] + t`
+/// (every row has one: `Some`; built as [`Positions`] directly rather than mapped into them in a
+/// second pass).
 fn ragged_positions(
     rows: &[(usize, usize)],
     ids: Option<&[u32]>,
     cache_lengths: &[u32],
     freq_rows: usize,
-) -> Result<Pooled<usize>> {
+) -> Result<Positions> {
     if let Some(ids) = ids {
         check_tensor("position_ids", ids.len(), &[rows.len()])?;
     }
@@ -353,7 +355,7 @@ fn ragged_positions(
             Some(ids) => ids[i] as u64,
             None => cache_lengths[b] as u64 + t as u64,
         };
-        positions.push(check_freqs_row(p, freq_rows)?);
+        positions.push(Some(check_freqs_row(p, freq_rows)?));
     }
     Ok(positions)
 }
@@ -392,10 +394,7 @@ pub(crate) fn validate_qkv_rope(
         return Err(Error::Shape { arg: "freqs_cis", expected: Expected::RowsOf(rd), found: rope.freqs_cis.len() });
     };
     match rows {
-        Some(rows) => {
-            let p = ragged_positions(rows, rope.position_ids, cache_lengths, freq_rows)?;
-            Ok(p.iter().map(|&p| Some(p)).collect())
-        }
+        Some(rows) => ragged_positions(rows, rope.position_ids, cache_lengths, freq_rows),
         None => {
             if rope.position_ids.is_some() {
                 return Err(Error::Unsupported { what: "position_ids with the BSHD fused QKV".into() });
