@@ -105,10 +105,12 @@ impl<T: Element> CopyBufs<T> {
     }
 }
 
-/// Standalone ragged RoPE (NeoX halves, f32 math, f32 freqs) vs a copy of the same bytes.
-fn standalone<T: Element>(c: &mut Criterion, dtype: &str) {
+/// Standalone ragged RoPE (NeoX halves, or interleaved pairs in the `rope_interleaved` groups;
+/// f32 math, f32 freqs) vs a copy of the same bytes.
+fn standalone<T: Element>(c: &mut Criterion, dtype: &str, interleaved: bool, token_counts: &[usize]) {
+    let op = if interleaved { "rope_interleaved" } else { "rope" };
     for m in [LLAMA, QWEN] {
-        for tokens in [1usize, 64, 512, 4096] {
+        for &tokens in token_counts {
             let q: Vec<T> = random(tokens * m.hq * m.hd, 1);
             let mut out = vec![T::default(); q.len()];
             let freqs = paged_qkv::freqs_cis(tokens, m.hd, m.theta);
@@ -117,7 +119,7 @@ fn standalone<T: Element>(c: &mut Criterion, dtype: &str) {
             let bytes = 2 * tokens * per_token * size_of::<T>();
             let mut bufs = CopyBufs::<T>::new(tokens * per_token, 2);
             let offs = [0, tokens as u32];
-            let mut g = setup_group(c, &format!("rope/{}/{dtype}/t{tokens}/bytes", m.name));
+            let mut g = setup_group(c, &format!("{op}/{}/{dtype}/t{tokens}/bytes", m.name));
             g.throughput(Throughput::Bytes(bytes as u64));
             let rope = |out: &mut [T], cache: &mut Cache<T>| {
                 let args = RopeRaggedArgs {
@@ -128,7 +130,7 @@ fn standalone<T: Element>(c: &mut Criterion, dtype: &str) {
                     freqs_cis: &freqs,
                     rope_dim: m.hd,
                     position_ids: None,
-                    interleaved: false,
+                    interleaved,
                 };
                 fast::rope_ragged(&args, out, &mut cache.kv(), RopeMath::F32, exec()).unwrap()
             };
@@ -140,7 +142,7 @@ fn standalone<T: Element>(c: &mut Criterion, dtype: &str) {
             g.finish();
             if tokens >= 64 {
                 // The targets' ratio, each RoPE call paired with copies (`common/paired.rs`).
-                let gname = format!("paired/rope/{}/{dtype}/t{tokens}/bytes", m.name);
+                let gname = format!("paired/{op}/{}/{dtype}/t{tokens}/bytes", m.name);
                 let mut g = setup_group(c, &gname);
                 for threads in [1usize, 2] {
                     let p = pool(threads);
@@ -166,8 +168,11 @@ mod paired;
 use paired::Side;
 
 fn standalone_all(c: &mut Criterion) {
-    standalone::<bf16>(c, "bf16");
-    standalone::<f32>(c, "f32");
+    let all = [1usize, 64, 512, 4096];
+    standalone::<bf16>(c, "bf16", false, &all);
+    standalone::<f32>(c, "f32", false, &all);
+    // Interleaved pairs (GPT-J style; MAX's Llama with GGUF weights) on their own token kernel.
+    standalone::<bf16>(c, "bf16", true, &[64, 512]);
 }
 
 /// The fused QKV with RoPE in its epilogue against the same QKV without RoPE (Llama-3-8B shape;

@@ -14,7 +14,7 @@ use crate::element::Element;
 use crate::ops::RopeMath;
 use crate::pool::Pooled;
 use crate::simd::IsaToken;
-use crate::simd::rope::{HalfRows, RopeRow, Round, narrow, rotate_token, widen};
+use crate::simd::rope::{HalfRows, RopeRow, Round, TokenFn, narrow, rotate_token, widen};
 
 /// The first element of each row's slot in layer `layer`, plus `offset` (the V part, or 0).
 pub(crate) fn slot_bases(plan: &SlotPlan, shape: &CacheShape, layer: usize, offset: usize) -> Pooled<Option<usize>> {
@@ -202,16 +202,18 @@ pub(crate) fn rope_rows<T: Element, F: Element, C: Element>(
     // Each path gets its own loop: one loop matching on the path per row measured 4–6 % slower
     // (Qwen-shaped bf16 tokens on one Zen 5 core, 512: 26.4–26.9 → 27.9 µs; 64: 3.11–3.17 →
     // 3.31–3.35 µs).
-    match HalfRows::<T, C>::new(token, spec.interleaved, spec.round(), rd, spec.q_heads, spec.k_heads) {
-        Some(h) => match h.token_fn::<F>() {
-            Some(t) => slot_rows(parallel, output, (qw, kw), &cache, (bases, positions), |r, p, _, o, k| {
-                t.run(&spec.freqs[p * rd..(p + 1) * rd], &q_proj[r * qw..(r + 1) * qw], o, k)
-            }),
-            None => slot_rows(parallel, output, (qw, kw), &cache, (bases, positions), |r, p, bufs, o, k| {
-                bufs.0.resize(h.buf_len(), 0.0);
-                h.row(&spec.freqs[p * rd..(p + 1) * rd], &q_proj[r * qw..(r + 1) * qw], o, k, &mut bufs.0);
-            }),
-        },
+    let (i, r) = (spec.interleaved, spec.round());
+    if let Some(t) = TokenFn::<T, C, F>::new(token, i, r, rd, spec.q_heads, spec.k_heads) {
+        slot_rows(parallel, output, (qw, kw), &cache, (bases, positions), |r, p, _, o, k| {
+            t.run(&spec.freqs[p * rd..(p + 1) * rd], &q_proj[r * qw..(r + 1) * qw], o, k)
+        });
+        return;
+    }
+    match HalfRows::<T, C>::new(token, i, r, rd, spec.q_heads, spec.k_heads) {
+        Some(h) => slot_rows(parallel, output, (qw, kw), &cache, (bases, positions), |r, p, bufs, o, k| {
+            bufs.0.resize(h.buf_len(), 0.0);
+            h.row(&spec.freqs[p * rd..(p + 1) * rd], &q_proj[r * qw..(r + 1) * qw], o, k, &mut bufs.0);
+        }),
         None => slot_rows(parallel, output, (qw, kw), &cache, (bases, positions), |r, p, bufs, o, k| {
             spec.row(token, p, &q_proj[r * qw..(r + 1) * qw], o, k, bufs)
         }),

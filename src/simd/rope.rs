@@ -462,7 +462,7 @@ pub(crate) fn rotate_token<T: Element, C: Element>(
 /// ten cases (bf16 Qwen 64 / 512 and Llama 64 / 512 tokens, f32 Qwen 512; one and two threads),
 /// e.g. 512 Qwen-shaped bf16 tokens on one core 72.8 → 70.7 µs. perf had put the per-token code
 /// outside the kernels at a fifth of the samples; most of that was waiting on the kernels' data.
-/// On AVX-512, heads of 64 or 128 dims go to one token kernel instead (`token_fn`: the
+/// On AVX-512, heads of 64 or 128 dims go to one token kernel instead (`TokenFn`: the
 /// forms in registers, no buffer): AMD Zen 5, one core, 512 Qwen-shaped bf16 tokens ~37 → 29 µs,
 /// 512 Llama-shaped 155–161 → 103–106 µs (README, "RoPE on Zen 5").
 pub(crate) struct HalfRows<T, C> {
@@ -510,8 +510,8 @@ impl<T: Element, C: Element> HalfRows<T, C> {
     }
 
     /// One token: the freqs row `freqs` (`rope_dim` values) into `buf`, its Q heads from `q` into
-    /// `out` and its K heads in place in `k`. (Where [`token_fn`](Self::token_fn) gives a kernel,
-    /// that kernel computes the same without the buffer: the caller picks it once per call.)
+    /// `out` and its K heads in place in `k`. (Where [`TokenFn::new`] gives a kernel, that
+    /// kernel computes the same without the buffer: the caller picks it once per call.)
     pub fn row<F: Element>(&self, freqs: &[F], q: &[T], out: &mut [T], k: &mut [C], buf: &mut [f32]) {
         let rd = 2 * self.hh;
         assert!(freqs.len() == rd && buf.len() >= RopeRow::len(rd));
@@ -536,60 +536,14 @@ impl<T: Element, C: Element> HalfRows<T, C> {
         #[cfg(not(target_arch = "x86_64"))]
         unreachable!("HalfRows::new returns None off x86: {:?}", (q.len(), out.len(), k.len()))
     }
-
-    /// The token kernel for freqs of type `F`, where `token_half_avx512` applies (AVX-512; heads
-    /// of 64 or 128 dims; Q and cache of one type; freqs f32 or of that type): the forms stay in
-    /// registers for all of the token's heads instead of going through [`row`](Self::row)'s
-    /// buffer. Chosen once per call, so the rows of a call skip the dispatch. The same
-    /// operations, so the same bits. Measured: see README ("RoPE on Zen 5").
-    pub fn token_fn<F: Element>(&self) -> Option<TokenFn<T, C, F>> {
-        #[cfg(target_arch = "x86_64")]
-        {
-            use super::x86::rope::{BF16, F16, F32, token_half_avx512 as tok};
-            if !matches!(self.token.0, Isa::Avx512 | Isa::Avx512Bf16)
-                || F::DTYPE == DType::F8E4M3
-                || !self.hh.is_multiple_of(32)
-            {
-                return None;
-            }
-            let n = self.hh / 32;
-            // bf16 heads stored by `vcvtne2ps2bf16` where the token proves AVX-512 BF16 (the
-            // same bits; `join_bf16_cvt`).
-            let cvt = self.token.0 == Isa::Avx512Bf16;
-            macro_rules! pick {
-                ($kq:ident, $kk:ident, $kf:ident, $cvt:literal) => {
-                    match n {
-                        1 => tok::<$kq, $kk, $kf, 1, $cvt> as TokenKernel,
-                        2 => tok::<$kq, $kk, $kf, 2, $cvt> as TokenKernel,
-                        _ => return None,
-                    }
-                };
-                ($kq:ident, $kk:ident, $kf:ident) => {
-                    pick!($kq, $kk, $kf, false)
-                };
-            }
-            let f = match (self.kinds, x86_kind::<F>()) {
-                ((BF16, BF16), F32) if cvt => pick!(BF16, BF16, F32, true),
-                ((BF16, BF16), BF16) if cvt => pick!(BF16, BF16, BF16, true),
-                ((BF16, BF16), F32) => pick!(BF16, BF16, F32),
-                ((BF16, BF16), BF16) => pick!(BF16, BF16, BF16),
-                ((F16, F16), F32) => pick!(F16, F16, F32),
-                ((F16, F16), F16) => pick!(F16, F16, F16),
-                ((F32, F32), F32) => pick!(F32, F32, F32),
-                _ => return None,
-            };
-            Some(TokenFn { f, hq: self.hq, hk: self.hk, rd: 2 * self.hh, types: std::marker::PhantomData })
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        None
-    }
 }
 
-/// `token_half_avx512::<KQ, KK, KF, N, CVT>`'s signature (`freqs, q, out, hq, k, hk`).
+/// `token_half_avx512::<KQ, KK, KF, N, CVT>`'s and `token_inter_avx512`'s signature (`freqs, q,
+/// out, hq, k, hk`).
 type TokenKernel = unsafe fn(*const u8, *const u8, *mut u8, usize, *mut u8, usize);
 
-/// A token kernel chosen by [`HalfRows::token_fn`] for Q heads of `T`, cache heads of `C` and
-/// freqs of `F`: only `token_fn` makes one, after checking that the kernel's ISA is available
+/// A token kernel chosen by [`TokenFn::new`] for Q heads of `T`, cache heads of `C` and
+/// freqs of `F`: only `new` makes one, after checking that the kernel's ISA is available
 /// and that it takes these element types, this head size and these head counts.
 pub(crate) struct TokenFn<T, C, F> {
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -602,14 +556,79 @@ pub(crate) struct TokenFn<T, C, F> {
 }
 
 impl<T: Element, C: Element, F: Element> TokenFn<T, C, F> {
+    /// The token kernel of a call's shape, where one applies: AVX-512, `F32` math, whole heads
+    /// (`rope_dim` equal to both head sizes) of 64 or 128 dims, Q and cache of one type, freqs
+    /// f32 or of that type; either pairing (`token_half_avx512`, `token_inter_avx512`). The forms
+    /// stay in registers for all of the token's heads instead of going through a per-token
+    /// buffer, and the call's rows skip the general path's checks and dispatch. The same
+    /// operations, so the same bits. Measured: see README ("RoPE on Zen 5").
+    pub fn new(
+        token: IsaToken,
+        interleaved: bool,
+        r: Round,
+        rd: usize,
+        (hq, dq): (usize, usize),
+        (hk, dk): (usize, usize),
+    ) -> Option<Self> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use super::x86::rope::{BF16, F16, F32, token_half_avx512 as half, token_inter_avx512 as inter};
+            if !matches!(token.0, Isa::Avx512 | Isa::Avx512Bf16)
+                || r != Round::None
+                || rd != dq
+                || rd != dk
+                || [T::DTYPE, C::DTYPE, F::DTYPE].contains(&DType::F8E4M3)
+            {
+                return None;
+            }
+            let n = rd / 64;
+            if n * 64 != rd {
+                return None;
+            }
+            // bf16 heads stored by `vcvtne2ps2bf16` where the token proves AVX-512 BF16 (the
+            // same bits; `join_bf16_cvt`).
+            let cvt = token.0 == Isa::Avx512Bf16;
+            macro_rules! pick {
+                ($kq:ident, $kk:ident, $kf:ident, $cvt:literal) => {
+                    match (interleaved, n) {
+                        (false, 1) => half::<$kq, $kk, $kf, 1, $cvt> as TokenKernel,
+                        (false, 2) => half::<$kq, $kk, $kf, 2, $cvt> as TokenKernel,
+                        (true, 1) => inter::<$kq, $kk, $kf, 1, $cvt> as TokenKernel,
+                        (true, 2) => inter::<$kq, $kk, $kf, 2, $cvt> as TokenKernel,
+                        _ => return None,
+                    }
+                };
+                ($kq:ident, $kk:ident, $kf:ident) => {
+                    pick!($kq, $kk, $kf, false)
+                };
+            }
+            let f = match ((x86_kind::<T>(), x86_kind::<C>()), x86_kind::<F>()) {
+                ((BF16, BF16), F32) if cvt => pick!(BF16, BF16, F32, true),
+                ((BF16, BF16), BF16) if cvt => pick!(BF16, BF16, BF16, true),
+                ((BF16, BF16), F32) => pick!(BF16, BF16, F32),
+                ((BF16, BF16), BF16) => pick!(BF16, BF16, BF16),
+                ((F16, F16), F32) => pick!(F16, F16, F32),
+                ((F16, F16), F16) => pick!(F16, F16, F16),
+                ((F32, F32), F32) => pick!(F32, F32, F32),
+                _ => return None,
+            };
+            Some(TokenFn { f, hq, hk, rd, types: std::marker::PhantomData })
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (token, interleaved, r, rd, hq, dq, hk, dk);
+            None
+        }
+    }
+
     /// One token, as [`HalfRows::row`]: the freqs row `freqs`, its Q heads from `q` into `out`
     /// and its K heads in place in `k`.
     #[inline]
     pub fn run(&self, freqs: &[F], q: &[T], out: &mut [T], k: &mut [C]) {
         let rd = self.rd;
         assert!(freqs.len() == rd && q.len() >= self.hq * rd && out.len() >= self.hq * rd && k.len() >= self.hk * rd);
-        // SAFETY: `token_fn` made `f` only where the token proves AVX-512 F and BW (and BF16 for
-        // the `CVT` kernels, which it picks only for `Avx512Bf16`) and the kernel
+        // SAFETY: `new` made `f` only where the token proves AVX-512 F and BW (and BF16 for the
+        // `CVT` kernels, which it picks only for `Avx512Bf16`) and the kernel
         // takes F (freqs, rd = 64 N elements, asserted), T (q and out: hq · 64 N each, asserted;
         // distinct borrows) and C (k: hk · 64 N, asserted, rotated in place), the kinds being
         // these types' (the struct's type parameters).

@@ -453,6 +453,17 @@ unsafe fn join_bf16_cvt(p: *mut u8, e: __m512, o: __m512) {
     unsafe { _mm512_storeu_si512(p.cast(), _mm512_permutexvar_epi16(idx, r)) }
 }
 
+/// [`join_bf16_cvt`] when `CVT`, else [`join_bf16`] (the same bits).
+///
+/// # Safety
+/// As [`join_bf16`], and AVX-512 BF16 must be available when `CVT`.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn join_bf16_with<const CVT: bool>(p: *mut u8, e: __m512, o: __m512) {
+    // SAFETY: the caller's contract is the chosen join's.
+    unsafe { if CVT { join_bf16_cvt(p, e, o) } else { join_bf16(p, e, o) } }
+}
+
 /// One half-split step of 32 bf16 pairs at pair `i`: elements `i .. i + 32` of both halves (`hh`
 /// apart) of a head from `from` into `base`, with the de-interleaved forms `cd`, `sd`; stored by
 /// [`join_bf16_cvt`] when `CVT`, else by [`join_bf16`] (the same bits).
@@ -501,13 +512,8 @@ unsafe fn half_step_bf16_regs<const CVT: bool>(
         let (x1e, x1o) = split_bf16(from.add((hh + i) * 2), r);
         let (y0e, y1e) = rot512(x0e, x1e, ce, se, r);
         let (y0o, y1o) = rot512(x0o, x1o, co, so, r);
-        if CVT {
-            join_bf16_cvt(base.add(i * 2), y0e, y0o);
-            join_bf16_cvt(base.add((hh + i) * 2), y1e, y1o);
-        } else {
-            join_bf16(base.add(i * 2), y0e, y0o);
-            join_bf16(base.add((hh + i) * 2), y1e, y1o);
-        }
+        join_bf16_with::<CVT>(base.add(i * 2), y0e, y0o);
+        join_bf16_with::<CVT>(base.add((hh + i) * 2), y1e, y1o);
     }
 }
 
@@ -609,13 +615,15 @@ pub(crate) unsafe fn heads_half_avx512<const K: u8, const CVT: bool>(
 
 /// The half-split forms of one 32-pair chunk of a freqs row, in registers: `c` and `s` of pairs
 /// 0–15 and 16–31, and `cd`, `sd` (the bf16 kernel's even / odd split) — [`fill_half_avx512`]'s
-/// values for that chunk.
+/// values for that chunk; and `f`, the 64 freqs themselves (`c0, s0, c1, s1, …`, the interleaved
+/// kernels' `f` form: [`RopeRow::fill`]'s values).
 #[derive(Clone, Copy)]
 struct ChunkForms {
     c: [__m512; 2],
     s: [__m512; 2],
     /// `[ce, co, se, so]`.
     d: [__m512; 4],
+    f: [__m512; 4],
 }
 
 /// [`ChunkForms`] of the 64 freqs (`c0, s0, c1, s1, …`) of kind `KF` at `p`: widened exactly,
@@ -641,7 +649,7 @@ unsafe fn chunk_forms<const KF: u8>(p: *const u8) -> ChunkForms {
         _mm512_permutex2var_ps(s0, even, s1),
         _mm512_permutex2var_ps(s0, odd, s1),
     ];
-    ChunkForms { c: [c0, c1], s: [s0, s1], d }
+    ChunkForms { c: [c0, c1], s: [s0, s1], d, f }
 }
 
 /// [`heads_half_avx512`] with the forms in registers: `N` chunks of 32 pairs (`hh = 32 N`).
@@ -702,6 +710,116 @@ pub(crate) unsafe fn token_half_avx512<const KQ: u8, const KK: u8, const KF: u8,
         let forms: [ChunkForms; N] = std::array::from_fn(|b| chunk_forms::<KF>(freqs.add(64 * b * fsize)));
         heads_half_regs::<KQ, N, CVT>(q, out, hq, &forms);
         heads_half_regs::<KK, N, CVT>(k, k, hk, &forms);
+    }
+}
+
+/// [`heads_inter_regs`]' step for bf16: 32 elements (16 interleaved pairs) at element `i` of a
+/// head from `from` into `base`, with the `c`, `s` of those pairs — [`heads_avx512`]'s
+/// interleaved bf16 step in `F32` math, so the same bits.
+///
+/// # Safety
+/// AVX-512 F and BW (and BF16 when `CVT`) must be available; 64 bytes readable at `from + 2i`
+/// and writable at `base + 2i` (the same or non-overlapping).
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn inter_step_bf16<const CVT: bool>(from: *const u8, base: *mut u8, i: usize, c: __m512, s: __m512) {
+    // SAFETY: the caller's contract covers both addresses.
+    unsafe {
+        let (x0, x1) = split_bf16(from.add(i * 2), Round::None);
+        let (y0, y1) = rot512(x0, x1, c, s, Round::None);
+        join_bf16_with::<CVT>(base.add(i * 2), y0, y1);
+    }
+}
+
+/// [`heads_inter_regs`]' step for f16 and f32: 16 elements (8 interleaved pairs) of kind `K` at
+/// element `i`, with the `f` and `fsw` forms of those pairs — [`heads_avx512`]'s interleaved
+/// step in `F32` math, so the same bits.
+///
+/// # Safety
+/// AVX-512 F and BW must be available; 16 elements readable at `from` and writable at `base`
+/// from element `i` (the same or non-overlapping).
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn inter_step<const K: u8>(from: *const u8, base: *mut u8, i: usize, f: __m512, fsw: __m512) {
+    let size = if K == F32 { 4 } else { 2 };
+    let sign = _mm512_castsi512_ps(_mm512_set1_epi64(0x8000_0000));
+    // SAFETY: the caller's contract covers both addresses.
+    unsafe {
+        let v = load512::<K>(from.add(i * size));
+        let (x0, x1) = (_mm512_moveldup_ps(v), _mm512_movehdup_ps(v));
+        let t = xor512(_mm512_mul_ps(x1, fsw), sign); // −t in the even lanes (exact)
+        store512::<K>(base.add(i * size), _mm512_fmadd_ps(x0, f, t));
+    }
+}
+
+/// [`heads_avx512`] for interleaved pairs in `F32` math over whole heads of `64 N` dims, with the
+/// forms of the `N` 32-pair chunks in registers.
+///
+/// # Safety
+/// AVX-512 F and BW (and BF16 when `CVT`) must be available; `src` and `x` each hold
+/// `heads · 64 N` elements of kind `K` and either are the same pointer or do not overlap.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn heads_inter_regs<const K: u8, const N: usize, const CVT: bool>(
+    src: *const u8,
+    x: *mut u8,
+    heads: usize,
+    forms: &[ChunkForms; N],
+) {
+    let (size, d) = (if K == F32 { 4 } else { 2 }, 64 * N);
+    // `fsw` (f16 and f32): each (c, s) pair of `f` swapped, exactly. A plain loop: through
+    // `array::map` and a closure the permutes were calls (a third of the call's samples).
+    let mut fsw = [[_mm512_setzero_ps(); 4]; N];
+    if K != BF16 {
+        for (w, f) in fsw.iter_mut().zip(forms) {
+            for j in 0..4 {
+                w[j] = _mm512_permute_ps::<0b10_11_00_01>(f.f[j]);
+            }
+        }
+    }
+    for h in 0..heads {
+        let (from, base) = (src.wrapping_add(h * d * size), x.wrapping_add(h * d * size));
+        for (b, f) in forms.iter().enumerate() {
+            let i = 64 * b;
+            // SAFETY: elements i .. i + 64 of head h (i + 64 ≤ 64 N = d).
+            unsafe {
+                if K == BF16 {
+                    inter_step_bf16::<CVT>(from, base, i, f.c[0], f.s[0]);
+                    inter_step_bf16::<CVT>(from, base, i + 32, f.c[1], f.s[1]);
+                } else {
+                    for j in 0..4 {
+                        inter_step::<K>(from, base, i + 16 * j, f.f[j], fsw[b][j]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// [`token_half_avx512`] for interleaved pairs: one token's Q heads (kind `KQ`) from `q` into
+/// `out` and K heads (kind `KK`) in place at `k`, whole heads of `64 N` dims in `F32` math, the
+/// freqs row (kind `KF`) read once into registers. The same operations as [`RopeRow::fill`]
+/// followed by [`heads_avx512`] (interleaved, `F32`), so the same bits, without the per-token
+/// forms buffer and the general kernel's run-time pairing and rounding (measured: see
+/// `crate::simd::rope::TokenFn`).
+///
+/// # Safety
+/// As [`token_half_avx512`].
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(crate) unsafe fn token_inter_avx512<const KQ: u8, const KK: u8, const KF: u8, const N: usize, const CVT: bool>(
+    freqs: *const u8,
+    q: *const u8,
+    out: *mut u8,
+    hq: usize,
+    k: *mut u8,
+    hk: usize,
+) {
+    let fsize = if KF == F32 { 4 } else { 2 };
+    // SAFETY: chunk b's 64 freqs lie at 64 b (b < N) of the 64 N; the heads as the contract says.
+    unsafe {
+        let forms: [ChunkForms; N] = std::array::from_fn(|b| chunk_forms::<KF>(freqs.add(64 * b * fsize)));
+        heads_inter_regs::<KQ, N, CVT>(q, out, hq, &forms);
+        heads_inter_regs::<KK, N, CVT>(k, k, hk, &forms);
     }
 }
 
