@@ -556,12 +556,13 @@ pub(crate) struct TokenFn<T, C, F> {
 }
 
 impl<T: Element, C: Element, F: Element> TokenFn<T, C, F> {
-    /// The token kernel of a call's shape, where one applies: AVX-512, `F32` math, whole heads
-    /// (`rope_dim` equal to both head sizes) of 64 or 128 dims, Q and cache of one type, freqs
-    /// f32 or of that type; either pairing (`token_half_avx512`, `token_inter_avx512`). The forms
-    /// stay in registers for all of the token's heads instead of going through a per-token
-    /// buffer, and the call's rows skip the general path's checks and dispatch. The same
-    /// operations, so the same bits. Measured: see README ("RoPE on Zen 5").
+    /// The token kernel of a call's shape, where one applies: AVX-512 or AVX2, `F32` math, whole
+    /// heads (`rope_dim` equal to both head sizes) of 64 or 128 dims, Q and cache of one type,
+    /// freqs f32 or of that type; either pairing (`token_half_avx512`, `token_inter_avx512`,
+    /// `token_avx2`). The forms stay in registers (AVX2: partly on the stack) for all of the
+    /// token's heads instead of going through a per-token buffer, and the call's rows skip the
+    /// general path's checks and dispatch. The same operations, so the same bits. Measured: see
+    /// README ("RoPE on Zen 5", "Token kernels for both pairings").
     pub fn new(
         token: IsaToken,
         interleaved: bool,
@@ -572,8 +573,10 @@ impl<T: Element, C: Element, F: Element> TokenFn<T, C, F> {
     ) -> Option<Self> {
         #[cfg(target_arch = "x86_64")]
         {
-            use super::x86::rope::{BF16, F16, F32, token_half_avx512 as half, token_inter_avx512 as inter};
-            if !matches!(token.0, Isa::Avx512 | Isa::Avx512Bf16)
+            use super::x86::rope::{
+                BF16, F16, F32, token_avx2, token_half_avx512 as half, token_inter_avx512 as inter,
+            };
+            if !matches!(token.0, Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx2)
                 || r != Round::None
                 || rd != dq
                 || rd != dk
@@ -588,9 +591,14 @@ impl<T: Element, C: Element, F: Element> TokenFn<T, C, F> {
             // bf16 heads stored by `vcvtne2ps2bf16` where the token proves AVX-512 BF16 (the
             // same bits; `join_bf16_cvt`).
             let cvt = token.0 == Isa::Avx512Bf16;
+            let avx2 = token.0 == Isa::Avx2;
             macro_rules! pick {
                 ($kq:ident, $kk:ident, $kf:ident, $cvt:literal) => {
                     match (interleaved, n) {
+                        (false, 1) if avx2 => token_avx2::<$kq, $kk, $kf, 1, false> as TokenKernel,
+                        (false, 2) if avx2 => token_avx2::<$kq, $kk, $kf, 2, false> as TokenKernel,
+                        (true, 1) if avx2 => token_avx2::<$kq, $kk, $kf, 1, true> as TokenKernel,
+                        (true, 2) if avx2 => token_avx2::<$kq, $kk, $kf, 2, true> as TokenKernel,
                         (false, 1) => half::<$kq, $kk, $kf, 1, $cvt> as TokenKernel,
                         (false, 2) => half::<$kq, $kk, $kf, 2, $cvt> as TokenKernel,
                         (true, 1) => inter::<$kq, $kk, $kf, 1, $cvt> as TokenKernel,
@@ -627,8 +635,9 @@ impl<T: Element, C: Element, F: Element> TokenFn<T, C, F> {
     pub fn run(&self, freqs: &[F], q: &[T], out: &mut [T], k: &mut [C]) {
         let rd = self.rd;
         assert!(freqs.len() == rd && q.len() >= self.hq * rd && out.len() >= self.hq * rd && k.len() >= self.hk * rd);
-        // SAFETY: `new` made `f` only where the token proves AVX-512 F and BW (and BF16 for the
-        // `CVT` kernels, which it picks only for `Avx512Bf16`) and the kernel
+        // SAFETY: `new` made `f` only where the token proves the kernel's ISA (AVX2, FMA and
+        // F16C for `token_avx2`; AVX-512 F and BW for the others, and BF16 for the `CVT`
+        // kernels, which it picks only for `Avx512Bf16`) and the kernel
         // takes F (freqs, rd = 64 N elements, asserted), T (q and out: hq · 64 N each, asserted;
         // distinct borrows) and C (k: hk · 64 N, asserted, rotated in place), the kinds being
         // these types' (the struct's type parameters).

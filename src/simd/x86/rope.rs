@@ -996,10 +996,25 @@ unsafe fn half_step_bf16_256(
     let (ev, od) = (i / 32 * 32 + i % 32 / 2, i / 32 * 32 + 16 + i % 32 / 2);
     // SAFETY: the caller's contract covers every address below (ev + 8 ≤ od + 8 ≤ hh).
     unsafe {
-        let (x0e, x0o) = split_bf16_256(from.add(i * 2), r);
-        let (x1e, x1o) = split_bf16_256(from.add((hh + i) * 2), r);
         let (ce, co) = (_mm256_loadu_ps(cd.add(ev)), _mm256_loadu_ps(cd.add(od)));
         let (se, so) = (_mm256_loadu_ps(sd.add(ev)), _mm256_loadu_ps(sd.add(od)));
+        half_step_bf16_256_regs(from, base, hh, i, [ce, co, se, so], r);
+    }
+}
+
+/// [`half_step_bf16_256`] with the forms in registers: `[ce, co, se, so]`, the even and odd
+/// pairs' `cd` and `sd` values of pairs `i .. i + 16`.
+///
+/// # Safety
+/// As [`half_step_bf16_256`], without the forms' memory.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn half_step_bf16_256_regs(from: *const u8, base: *mut u8, hh: usize, i: usize, f: [__m256; 4], r: Round) {
+    let [ce, co, se, so] = f;
+    // SAFETY: the caller's contract covers every address below.
+    unsafe {
+        let (x0e, x0o) = split_bf16_256(from.add(i * 2), r);
+        let (x1e, x1o) = split_bf16_256(from.add((hh + i) * 2), r);
         let (y0e, y1e) = rot256(x0e, x1e, ce, se, r);
         let (y0o, y1o) = rot256(x0o, x1o, co, so, r);
         join_bf16_256(base.add(i * 2), y0e, y0o);
@@ -1023,12 +1038,31 @@ unsafe fn half_step_256<const K: u8>(
     s: *const f32,
     r: Round,
 ) {
+    // SAFETY: the caller's contract covers every address below.
+    unsafe { half_step_256_regs::<K>(from, base, hh, i, _mm256_loadu_ps(c.add(i)), _mm256_loadu_ps(s.add(i)), r) }
+}
+
+/// [`half_step_256`] with the forms `c`, `s` of pairs `i .. i + 8` in registers.
+///
+/// # Safety
+/// As [`half_step_256`], without the forms' memory.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn half_step_256_regs<const K: u8>(
+    from: *const u8,
+    base: *mut u8,
+    hh: usize,
+    i: usize,
+    c: __m256,
+    s: __m256,
+    r: Round,
+) {
     let size = if K == F32 { 4 } else { 2 };
     // SAFETY: the caller's contract covers every address below.
     unsafe {
         let x0 = round256(load256::<K>(from.add(i * size)), r);
         let x1 = round256(load256::<K>(from.add((hh + i) * size)), r);
-        let (y0, y1) = rot256(x0, x1, _mm256_loadu_ps(c.add(i)), _mm256_loadu_ps(s.add(i)), r);
+        let (y0, y1) = rot256(x0, x1, c, s, r);
         store256::<K>(base.add(i * size), y0);
         store256::<K>(base.add((hh + i) * size), y1);
     }
@@ -1072,6 +1106,150 @@ pub(crate) unsafe fn heads_half_avx2<const K: u8>(
             }
             i += step;
         }
+    }
+}
+
+/// [`ChunkForms`] on AVX2 (8 lanes): the forms of one 32-pair chunk of a freqs row.
+#[derive(Clone, Copy)]
+struct ChunkForms256 {
+    /// `c`, `s` of pairs `8 j .. 8 j + 8`.
+    c: [__m256; 4],
+    s: [__m256; 4],
+    /// The chunk's `cd`, `sd` ([`fill_half_avx2`]'s layout), 8 values each.
+    cd: [__m256; 4],
+    sd: [__m256; 4],
+    /// The 64 freqs (`c0, s0, c1, s1, …`): the interleaved `f` form.
+    f: [__m256; 8],
+}
+
+/// [`ChunkForms256`] of the 64 freqs of kind `KF` at `p`: widened exactly, NaN made the default
+/// NaN, de-interleaved as [`fill_half_avx2`] does (the same values).
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; 64 readable elements of kind `KF` at `p`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn chunk_forms_256<const KF: u8>(p: *const u8) -> ChunkForms256 {
+    let size = if KF == F32 { 4 } else { 2 };
+    let canon = |v: __m256| _mm256_blendv_ps(v, _mm256_set1_ps(f32::NAN), _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+    // The even and the odd elements of the 16 values a, b, in order.
+    let split = |a: __m256, b: __m256| {
+        let e = _mm256_castpd_ps(_mm256_permute4x64_pd::<0xD8>(_mm256_castps_pd(_mm256_shuffle_ps::<0x88>(a, b))));
+        let o = _mm256_castpd_ps(_mm256_permute4x64_pd::<0xD8>(_mm256_castps_pd(_mm256_shuffle_ps::<0xDD>(a, b))));
+        (e, o)
+    };
+    let zero = _mm256_setzero_ps();
+    let mut k = ChunkForms256 { c: [zero; 4], s: [zero; 4], cd: [zero; 4], sd: [zero; 4], f: [zero; 8] };
+    for i in 0..8 {
+        // SAFETY: elements 8i .. 8i + 8 of the 64 at p.
+        k.f[i] = canon(unsafe { load256::<KF>(p.add(8 * i * size)) });
+    }
+    for j in 0..4 {
+        (k.c[j], k.s[j]) = split(k.f[2 * j], k.f[2 * j + 1]);
+    }
+    for (v, out) in [(k.c, &mut k.cd), (k.s, &mut k.sd)] {
+        let (e0, o0) = split(v[0], v[1]);
+        let (e1, o1) = split(v[2], v[3]);
+        *out = [e0, e1, o0, o1];
+    }
+    k
+}
+
+/// The AVX2 token kernels' heads: `heads` heads of `64 N` dims of kind `K` from `src` into `x`
+/// in `F32` math, half-split ([`heads_half_avx2`]'s steps) or interleaved ([`heads_avx2`]'s
+/// interleaved steps), with the chunks' forms in registers (or the stack: AVX2 has 16).
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; `src` and `x` each hold `heads · 64 N` elements of kind
+/// `K` and either are the same pointer or do not overlap.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn heads_regs_256<const K: u8, const N: usize, const INTER: bool>(
+    src: *const u8,
+    x: *mut u8,
+    heads: usize,
+    forms: &[ChunkForms256; N],
+) {
+    let (size, hh) = (if K == F32 { 4 } else { 2 }, 32 * N);
+    let sign = _mm256_castsi256_ps(_mm256_set1_epi64x(0x8000_0000));
+    for h in 0..heads {
+        let (from, base) = (src.wrapping_add(2 * h * hh * size), x.wrapping_add(2 * h * hh * size));
+        for (b, f) in forms.iter().enumerate() {
+            // SAFETY: every step below stays within head h's 64 N elements: half-split pairs
+            // 32 b .. 32 b + 32 of both halves (32 b + 32 ≤ hh), interleaved elements 64 b ..
+            // 64 b + 64 (≤ 2 hh).
+            unsafe {
+                match (INTER, K) {
+                    (false, BF16) => {
+                        let i = 32 * b;
+                        half_step_bf16_256_regs(from, base, hh, i, [f.cd[0], f.cd[2], f.sd[0], f.sd[2]], Round::None);
+                        half_step_bf16_256_regs(
+                            from,
+                            base,
+                            hh,
+                            i + 16,
+                            [f.cd[1], f.cd[3], f.sd[1], f.sd[3]],
+                            Round::None,
+                        );
+                    }
+                    (false, _) => {
+                        for j in 0..4 {
+                            half_step_256_regs::<K>(from, base, hh, 32 * b + 8 * j, f.c[j], f.s[j], Round::None);
+                        }
+                    }
+                    (true, BF16) => {
+                        for j in 0..4 {
+                            let i = 64 * b + 16 * j;
+                            let (x0, x1) = split_bf16_256(from.add(i * 2), Round::None);
+                            let (y0, y1) = rot256(x0, x1, f.c[j], f.s[j], Round::None);
+                            join_bf16_256(base.add(i * 2), y0, y1);
+                        }
+                    }
+                    (true, _) => {
+                        for j in 0..8 {
+                            let i = 64 * b + 8 * j;
+                            let v = load256::<K>(from.add(i * size));
+                            let (x0, x1) = (_mm256_moveldup_ps(v), _mm256_movehdup_ps(v));
+                            let fsw = _mm256_permute_ps::<0b10_11_00_01>(f.f[j]); // (s, c) pairs, exact
+                            let t = _mm256_xor_ps(_mm256_mul_ps(x1, fsw), sign);
+                            store256::<K>(base.add(i * size), _mm256_fmadd_ps(x0, f.f[j], t));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// [`token_half_avx512`] (`INTER` false) and [`token_inter_avx512`] (`INTER` true) on AVX2: one
+/// token's Q heads from `q` into `out` and K heads in place at `k`, whole heads of `64 N` dims in
+/// `F32` math, the freqs row read once per token. The same operations as the forms' fill
+/// followed by [`heads_half_avx2`] or [`heads_avx2`], so the same bits, without the per-token
+/// buffer and the general kernel's run-time pairing and rounding (measured: see
+/// `crate::simd::rope::TokenFn`).
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; otherwise as [`token_half_avx512`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn token_avx2<const KQ: u8, const KK: u8, const KF: u8, const N: usize, const INTER: bool>(
+    freqs: *const u8,
+    q: *const u8,
+    out: *mut u8,
+    hq: usize,
+    k: *mut u8,
+    hk: usize,
+) {
+    let fsize = if KF == F32 { 4 } else { 2 };
+    let zero = _mm256_setzero_ps();
+    let mut forms = [ChunkForms256 { c: [zero; 4], s: [zero; 4], cd: [zero; 4], sd: [zero; 4], f: [zero; 8] }; N];
+    for (b, f) in forms.iter_mut().enumerate() {
+        // SAFETY: chunk b's 64 freqs lie at 64 b (b < N) of the 64 N.
+        *f = unsafe { chunk_forms_256::<KF>(freqs.add(64 * b * fsize)) };
+    }
+    // SAFETY: the heads as the contract says.
+    unsafe {
+        heads_regs_256::<KQ, N, INTER>(q, out, hq, &forms);
+        heads_regs_256::<KK, N, INTER>(k, k, hk, &forms);
     }
 }
 
