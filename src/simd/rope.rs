@@ -283,16 +283,7 @@ pub(crate) fn rotate_heads_from<T: Element>(
     #[cfg(target_arch = "x86_64")]
     if matches!(token.0, Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx2) && T::DTYPE != DType::F8E4M3 {
         use super::x86::rope::{BF16, F16, F32, heads_avx2, heads_avx512};
-        if let Some(s) = src
-            && rd < d
-        {
-            // The dims outside the rotary region are copied.
-            for h in 0..heads {
-                let (r0, r1) = (h * d + at, h * d + at + rd);
-                x[h * d..r0].copy_from_slice(&s[h * d..r0]);
-                x[r1..(h + 1) * d].copy_from_slice(&s[r1..(h + 1) * d]);
-            }
-        }
+        copy_outside(src, x, (heads, d), at, rd);
         let p = x.as_mut_ptr().cast::<u8>();
         let from = src.map_or(p.cast_const(), |s| s.as_ptr().cast::<u8>());
         let kind = x86_kind::<T>();
@@ -319,23 +310,26 @@ pub(crate) fn rotate_heads_from<T: Element>(
                 (true, _) => heads_avx2::<F32>(from, p, heads, d, rd, row, interleaved, r),
             }
         };
-        // The tail pairs (fewer than a vector), one at a time.
-        if done == rd / 2 {
-            return; // (a head of whole vectors: no per-head slicing for nothing)
-        }
-        for h in 0..heads {
-            let (o, head) = (h * d + at, &mut x[h * d + at..h * d + at + rd]);
-            for i in done..rd / 2 {
-                let (j0, j1) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + rd / 2) };
-                let (x0, x1) = match src {
-                    Some(s) => (s[o + j0].to_f32(), s[o + j1].to_f32()),
-                    None => (head[j0].to_f32(), head[j1].to_f32()),
-                };
-                let (y0, y1) = pair(x0, x1, row.c[i], row.s[i], r);
-                head[j0] = T::from_f32(y0);
-                head[j1] = T::from_f32(y1);
+        tail_pairs(src, x, (heads, d), at, done, row, interleaved, r);
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
+    if let Some(kind) = neon_kind::<T>(token, r) {
+        use super::neon::rope::{BF16, F32, heads_neon};
+        copy_outside(src, x, (heads, d), at, rd);
+        let p = x.as_mut_ptr().cast::<u8>();
+        let from = src.map_or(p.cast_const(), |s| s.as_ptr().cast::<u8>());
+        // SAFETY: the token proves NEON; x (and src, a distinct borrow when given, so not
+        // overlapping) holds heads · d elements of T, whose kind (and so size) `kind` names
+        // (`neon_kind`); the asserts above prove the lengths of `row`'s `c` and `s`, the forms
+        // the kernel reads; `neon_kind` admits only `F32` and bf16 rounding.
+        let done = unsafe {
+            match kind {
+                BF16 => heads_neon::<BF16>(from, p, heads, d, rd, row, interleaved, r),
+                _ => heads_neon::<F32>(from, p, heads, d, rd, row, interleaved, r),
             }
-        }
+        };
+        tail_pairs(src, x, (heads, d), at, done, row, interleaved, r);
         return;
     }
     if let Some(s) = src {
@@ -347,6 +341,66 @@ pub(crate) fn rotate_heads_from<T: Element>(
         widen(token, region, b);
         rotate(token, b, row, interleaved, r);
         narrow(token, b, region);
+    }
+}
+
+/// Copies each head's dims outside its rotary region (`at .. at + rd`) from `src`, when given,
+/// into `x`: the head kernels write only the rotary region.
+fn copy_outside<T: Element>(src: Option<&[T]>, x: &mut [T], (heads, d): (usize, usize), at: usize, rd: usize) {
+    if let Some(s) = src
+        && rd < d
+    {
+        for h in 0..heads {
+            let (r0, r1) = (h * d + at, h * d + at + rd);
+            x[h * d..r0].copy_from_slice(&s[h * d..r0]);
+            x[r1..(h + 1) * d].copy_from_slice(&s[r1..(h + 1) * d]);
+        }
+    }
+}
+
+/// The pairs `done ..` of each head's rotary region that a head kernel left (fewer than a
+/// vector), one at a time: the oracle's operations, read from `src` when given, else in place.
+#[allow(clippy::too_many_arguments)]
+fn tail_pairs<T: Element>(
+    src: Option<&[T]>,
+    x: &mut [T],
+    (heads, d): (usize, usize),
+    at: usize,
+    done: usize,
+    row: &RopeRow<'_>,
+    interleaved: bool,
+    r: Round,
+) {
+    let rd = 2 * row.c.len();
+    if done == rd / 2 {
+        return; // (a head of whole vectors: no per-head slicing for nothing)
+    }
+    for h in 0..heads {
+        let (o, head) = (h * d + at, &mut x[h * d + at..h * d + at + rd]);
+        for i in done..rd / 2 {
+            let (j0, j1) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + rd / 2) };
+            let (x0, x1) = match src {
+                Some(s) => (s[o + j0].to_f32(), s[o + j1].to_f32()),
+                None => (head[j0].to_f32(), head[j1].to_f32()),
+            };
+            let (y0, y1) = pair(x0, x1, row.c[i], row.s[i], r);
+            head[j0] = T::from_f32(y0);
+            head[j1] = T::from_f32(y1);
+        }
+    }
+}
+
+/// The NEON head kernel's element kind of `T` where `heads_neon` takes it: a NEON level, bf16 or
+/// f32 elements, `F32` math or bf16 rounding (f16 and E4M3 elements and f16 rounding go through
+/// the f32 buffer).
+#[cfg(target_arch = "aarch64")]
+fn neon_kind<T: Element>(token: IsaToken, r: Round) -> Option<u8> {
+    use super::neon::rope::{BF16, F32};
+    let neon = matches!(token.0, Isa::Neon | Isa::NeonDotprod | Isa::NeonI8mm) && r != Round::F16;
+    match T::DTYPE {
+        DType::BF16 if neon => Some(BF16),
+        DType::F32 if neon => Some(F32),
+        _ => None,
     }
 }
 

@@ -77,3 +77,118 @@ pub(crate) unsafe fn rotate_neon(x: &mut [f32], row: &RopeRow<'_>, interleaved: 
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Whole heads: load bf16 or f32, rotate, store, with no intermediate buffer (the f32 buffer path
+// widened and narrowed bf16 one element at a time).
+
+/// Element kinds [`heads_neon`] loads and stores (the x86 kernels' numbering).
+pub(crate) const BF16: u8 = 0;
+pub(crate) const F32: u8 = 2;
+
+/// The low / high four bf16 of `v` widened to f32 (exact: the bits shifted into the high half).
+#[target_feature(enable = "neon")]
+#[inline]
+fn widen_bf16(v: uint16x8_t) -> (float32x4_t, float32x4_t) {
+    (vreinterpretq_f32_u32(vshll_n_u16::<16>(vget_low_u16(v))), vreinterpretq_f32_u32(vshll_high_n_u16::<16>(v)))
+}
+
+/// Eight f32 (`lo`, then `hi`) rounded to bf16 as `half` does (nearest even, NaN made quiet):
+/// [`round_bf16`] leaves each value's bf16 in its high half, which the narrowing shifts take.
+#[target_feature(enable = "neon")]
+#[inline]
+fn narrow_bf16(lo: float32x4_t, hi: float32x4_t) -> uint16x8_t {
+    let (a, b) = (vreinterpretq_u32_f32(round_bf16(lo)), vreinterpretq_u32_f32(round_bf16(hi)));
+    vshrn_high_n_u32::<16>(vshrn_n_u32::<16>(a), b)
+}
+
+/// Four pairs `(x0, x1)` with `c`, `s`: the oracle's operations (`rotate_neon`'s half-split
+/// step), rounded after each as `r` says.
+#[target_feature(enable = "neon")]
+#[inline]
+fn rot4(x0: float32x4_t, x1: float32x4_t, c: float32x4_t, s: float32x4_t, r: Round) -> (float32x4_t, float32x4_t) {
+    let t1 = round(vmulq_f32(x1, s), r);
+    let y0 = round(vfmaq_f32(vnegq_f32(t1), x0, c), r);
+    let t2 = round(vmulq_f32(x1, c), r);
+    let y1 = round(vfmaq_f32(t2, x0, s), r);
+    (y0, y1)
+}
+
+/// Rotates the rotary region of `heads` heads of `d` elements of kind `K` (bf16 or f32) from
+/// `src` into `x` (`src == x`: in place; the other dims of `x` are not touched), in `F32` math or
+/// with bf16 rounding (`r` is not `F16`). Interleaved pairs are split and joined by the
+/// de-interleaving loads and stores (`ld2`/`st2`), so both pairings run the same four-lane
+/// rotation on contiguous `c`, `s` forms: the oracle's operations lane by lane, so the same bits.
+/// Returns the pairs per head done (whole steps of 8 pairs for bf16, 4 for f32); the caller
+/// rotates the rest.
+///
+/// # Safety
+/// NEON must be available; `src` and `x` each hold `heads · d` elements of kind `K` (2 bytes for
+/// bf16, 4 for f32) and either are the same pointer or do not overlap; `row.c` and `row.s` hold
+/// `rd / 2` values (`rd` even, ≤ `d`).
+#[target_feature(enable = "neon")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn heads_neon<const K: u8>(
+    src: *const u8,
+    x: *mut u8,
+    heads: usize,
+    d: usize,
+    rd: usize,
+    row: &RopeRow<'_>,
+    interleaved: bool,
+    r: Round,
+) -> usize {
+    debug_assert!(r != Round::F16 && row.c.len() == rd / 2 && row.s.len() == rd / 2);
+    let size = if K == F32 { 4 } else { 2 };
+    let at = if interleaved { d - rd } else { 0 };
+    let hh = rd / 2;
+    let step = if K == BF16 { 8 } else { 4 };
+    let done = hh / step * step;
+    let (c, s) = (row.c.as_ptr(), row.s.as_ptr());
+    for h in 0..heads {
+        let (base, from) = (x.wrapping_add((h * d + at) * size), src.wrapping_add((h * d + at) * size));
+        for p in (0..done).step_by(step) {
+            // SAFETY: pairs p .. p + step (≤ hh) of the head's rotary region: interleaved,
+            // elements 2p .. 2p + 2 step of rd; half-split, elements p .. p + step of each half
+            // (hh long); and values p .. p + step of c and s (hh long).
+            unsafe {
+                if K == BF16 {
+                    let (a, b) = if interleaved {
+                        let v = vld2q_u16(from.add(4 * p).cast());
+                        (v.0, v.1)
+                    } else {
+                        (vld1q_u16(from.add(2 * p).cast()), vld1q_u16(from.add(2 * (hh + p)).cast()))
+                    };
+                    let ((a0, a1), (b0, b1)) = (widen_bf16(a), widen_bf16(b));
+                    let (c0, c1) = (vld1q_f32(c.add(p)), vld1q_f32(c.add(p + 4)));
+                    let (s0, s1) = (vld1q_f32(s.add(p)), vld1q_f32(s.add(p + 4)));
+                    let (y0l, y1l) = rot4(round(a0, r), round(b0, r), c0, s0, r);
+                    let (y0h, y1h) = rot4(round(a1, r), round(b1, r), c1, s1, r);
+                    let (y0, y1) = (narrow_bf16(y0l, y0h), narrow_bf16(y1l, y1h));
+                    if interleaved {
+                        vst2q_u16(base.add(4 * p).cast(), uint16x8x2_t(y0, y1));
+                    } else {
+                        vst1q_u16(base.add(2 * p).cast(), y0);
+                        vst1q_u16(base.add(2 * (hh + p)).cast(), y1);
+                    }
+                } else {
+                    let (x0, x1) = if interleaved {
+                        let v = vld2q_f32(from.add(8 * p).cast());
+                        (v.0, v.1)
+                    } else {
+                        (vld1q_f32(from.add(4 * p).cast()), vld1q_f32(from.add(4 * (hh + p)).cast()))
+                    };
+                    let (cv, sv) = (vld1q_f32(c.add(p)), vld1q_f32(s.add(p)));
+                    let (y0, y1) = rot4(round(x0, r), round(x1, r), cv, sv, r);
+                    if interleaved {
+                        vst2q_f32(base.add(8 * p).cast(), float32x4x2_t(y0, y1));
+                    } else {
+                        vst1q_f32(base.add(4 * p).cast(), y0);
+                        vst1q_f32(base.add(4 * (hh + p)).cast(), y1);
+                    }
+                }
+            }
+        }
+    }
+    done
+}
