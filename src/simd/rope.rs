@@ -315,7 +315,7 @@ pub(crate) fn rotate_heads_from<T: Element>(
     }
     #[cfg(target_arch = "aarch64")]
     if let Some(kind) = neon_kind::<T>(token, r) {
-        use super::neon::rope::{BF16, F32, heads_neon};
+        use super::neon::rope::{BF16, F16, F32, heads_neon};
         copy_outside(src, x, (heads, d), at, rd);
         let p = x.as_mut_ptr().cast::<u8>();
         let from = src.map_or(p.cast_const(), |s| s.as_ptr().cast::<u8>());
@@ -326,6 +326,7 @@ pub(crate) fn rotate_heads_from<T: Element>(
         let done = unsafe {
             match kind {
                 BF16 => heads_neon::<BF16>(from, p, heads, d, rd, row, interleaved, r),
+                F16 => heads_neon::<F16>(from, p, heads, d, rd, row, interleaved, r),
                 _ => heads_neon::<F32>(from, p, heads, d, rd, row, interleaved, r),
             }
         };
@@ -390,15 +391,16 @@ fn tail_pairs<T: Element>(
     }
 }
 
-/// The NEON head kernel's element kind of `T` where `heads_neon` takes it: a NEON level, bf16 or
-/// f32 elements, `F32` math or bf16 rounding (f16 and E4M3 elements and f16 rounding go through
+/// The NEON head kernel's element kind of `T` where `heads_neon` takes it: a NEON level, bf16,
+/// f16 or f32 elements, `F32` math or bf16 rounding (E4M3 elements and f16 rounding go through
 /// the f32 buffer).
 #[cfg(target_arch = "aarch64")]
 fn neon_kind<T: Element>(token: IsaToken, r: Round) -> Option<u8> {
-    use super::neon::rope::{BF16, F32};
+    use super::neon::rope::{BF16, F16, F32};
     let neon = matches!(token.0, Isa::Neon | Isa::NeonDotprod | Isa::NeonI8mm) && r != Round::F16;
     match T::DTYPE {
         DType::BF16 if neon => Some(BF16),
+        DType::F16 if neon => Some(F16),
         DType::F32 if neon => Some(F32),
         _ => None,
     }

@@ -84,7 +84,50 @@ pub(crate) unsafe fn rotate_neon(x: &mut [f32], row: &RopeRow<'_>, interleaved: 
 
 /// Element kinds [`heads_neon`] loads and stores (the x86 kernels' numbering).
 pub(crate) const BF16: u8 = 0;
+pub(crate) const F16: u8 = 1;
 pub(crate) const F32: u8 = 2;
+
+/// The low / high four f16 (bits) of `v` widened to f32 by `fcvtl`/`fcvtl2` (exact; issued by
+/// `asm!` because Rust's NEON f16 types are not stable).
+#[target_feature(enable = "neon")]
+#[inline]
+fn widen_f16(v: uint16x8_t) -> (float32x4_t, float32x4_t) {
+    let (lo, hi): (float32x4_t, float32x4_t);
+    // SAFETY: register-only conversions of base AArch64 SIMD (NEON, enabled here); they read and
+    // write no memory, the stack or the flags.
+    unsafe {
+        std::arch::asm!(
+            "fcvtl {lo:v}.4s, {v:v}.4h",
+            "fcvtl2 {hi:v}.4s, {v:v}.8h",
+            v = in(vreg) v,
+            lo = out(vreg) lo,
+            hi = out(vreg) hi,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    (lo, hi)
+}
+
+/// Eight f32 (`lo`, then `hi`) rounded to f16 by `fcvtn`/`fcvtn2`: to nearest even (the FPCR's
+/// default mode, which nothing here changes), subnormals kept (FPCR.FZ is clear), overflow to
+/// infinity — `half`'s conversion, NaN payloads aside (outside the bit-exact promise).
+#[target_feature(enable = "neon")]
+#[inline]
+fn narrow_f16(lo: float32x4_t, hi: float32x4_t) -> uint16x8_t {
+    let v: uint16x8_t;
+    // SAFETY: as in `widen_f16`.
+    unsafe {
+        std::arch::asm!(
+            "fcvtn {v:v}.4h, {lo:v}.4s",
+            "fcvtn2 {v:v}.8h, {hi:v}.4s",
+            lo = in(vreg) lo,
+            hi = in(vreg) hi,
+            v = out(vreg) v,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    v
+}
 
 /// The low / high four bf16 of `v` widened to f32 (exact: the bits shifted into the high half).
 #[target_feature(enable = "neon")]
@@ -114,17 +157,17 @@ fn rot4(x0: float32x4_t, x1: float32x4_t, c: float32x4_t, s: float32x4_t, r: Rou
     (y0, y1)
 }
 
-/// Rotates the rotary region of `heads` heads of `d` elements of kind `K` (bf16 or f32) from
+/// Rotates the rotary region of `heads` heads of `d` elements of kind `K` (bf16, f16 or f32) from
 /// `src` into `x` (`src == x`: in place; the other dims of `x` are not touched), in `F32` math or
 /// with bf16 rounding (`r` is not `F16`). Interleaved pairs are split and joined by the
 /// de-interleaving loads and stores (`ld2`/`st2`), so both pairings run the same four-lane
 /// rotation on contiguous `c`, `s` forms: the oracle's operations lane by lane, so the same bits.
-/// Returns the pairs per head done (whole steps of 8 pairs for bf16, 4 for f32); the caller
+/// Returns the pairs per head done (whole steps of 8 pairs for bf16 and f16, 4 for f32); the caller
 /// rotates the rest.
 ///
 /// # Safety
 /// NEON must be available; `src` and `x` each hold `heads · d` elements of kind `K` (2 bytes for
-/// bf16, 4 for f32) and either are the same pointer or do not overlap; `row.c` and `row.s` hold
+/// bf16 and f16, 4 for f32) and either are the same pointer or do not overlap; `row.c` and `row.s` hold
 /// `rd / 2` values (`rd` even, ≤ `d`).
 #[target_feature(enable = "neon")]
 #[allow(clippy::too_many_arguments)]
@@ -142,7 +185,7 @@ pub(crate) unsafe fn heads_neon<const K: u8>(
     let size = if K == F32 { 4 } else { 2 };
     let at = if interleaved { d - rd } else { 0 };
     let hh = rd / 2;
-    let step = if K == BF16 { 8 } else { 4 };
+    let step = if K == F32 { 4 } else { 8 };
     let done = hh / step * step;
     let (c, s) = (row.c.as_ptr(), row.s.as_ptr());
     for h in 0..heads {
@@ -152,19 +195,21 @@ pub(crate) unsafe fn heads_neon<const K: u8>(
             // elements 2p .. 2p + 2 step of rd; half-split, elements p .. p + step of each half
             // (hh long); and values p .. p + step of c and s (hh long).
             unsafe {
-                if K == BF16 {
+                if K != F32 {
                     let (a, b) = if interleaved {
                         let v = vld2q_u16(from.add(4 * p).cast());
                         (v.0, v.1)
                     } else {
                         (vld1q_u16(from.add(2 * p).cast()), vld1q_u16(from.add(2 * (hh + p)).cast()))
                     };
-                    let ((a0, a1), (b0, b1)) = (widen_bf16(a), widen_bf16(b));
+                    let widen = if K == BF16 { widen_bf16 } else { widen_f16 };
+                    let ((a0, a1), (b0, b1)) = (widen(a), widen(b));
                     let (c0, c1) = (vld1q_f32(c.add(p)), vld1q_f32(c.add(p + 4)));
                     let (s0, s1) = (vld1q_f32(s.add(p)), vld1q_f32(s.add(p + 4)));
                     let (y0l, y1l) = rot4(round(a0, r), round(b0, r), c0, s0, r);
                     let (y0h, y1h) = rot4(round(a1, r), round(b1, r), c1, s1, r);
-                    let (y0, y1) = (narrow_bf16(y0l, y0h), narrow_bf16(y1l, y1h));
+                    let narrow = if K == BF16 { narrow_bf16 } else { narrow_f16 };
+                    let (y0, y1) = (narrow(y0l, y0h), narrow(y1l, y1h));
                     if interleaved {
                         vst2q_u16(base.add(4 * p).cast(), uint16x8x2_t(y0, y1));
                     } else {
