@@ -218,6 +218,13 @@ pub(crate) fn widen<T: Element>(token: IsaToken, src: &[T], dst: &mut [f32]) {
         unsafe { super::x86::rope::widen16(src.as_ptr().cast(), dst, T::DTYPE == DType::BF16) };
         return;
     }
+    #[cfg(target_arch = "aarch64")]
+    if matches!(token.0, Isa::Neon | Isa::NeonDotprod | Isa::NeonI8mm) && matches!(T::DTYPE, DType::BF16 | DType::F16) {
+        // SAFETY: the token proves NEON was detected; T is a 16-bit type (checked), so `src` is
+        // `src.len()` u16 values; the lengths are equal (asserted).
+        unsafe { super::neon::rope::widen16(src.as_ptr().cast(), dst, T::DTYPE == DType::BF16) };
+        return;
+    }
     let _ = token;
     for (d, s) in dst.iter_mut().zip(src) {
         *d = s.to_f32();
@@ -232,6 +239,13 @@ pub(crate) fn narrow<T: Element>(token: IsaToken, src: &[f32], dst: &mut [T]) {
         // SAFETY: the token proves AVX2 and F16C were detected; T is a 16-bit type (checked), so
         // `dst` is `dst.len()` u16 values; the lengths are equal (asserted).
         unsafe { super::x86::rope::narrow16(src, dst.as_mut_ptr().cast(), T::DTYPE == DType::BF16) };
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
+    if matches!(token.0, Isa::Neon | Isa::NeonDotprod | Isa::NeonI8mm) && matches!(T::DTYPE, DType::BF16 | DType::F16) {
+        // SAFETY: the token proves NEON was detected; T is a 16-bit type (checked), so `dst` is
+        // `dst.len()` u16 values; the lengths are equal (asserted).
+        unsafe { super::neon::rope::narrow16(src, dst.as_mut_ptr().cast(), T::DTYPE == DType::BF16) };
         return;
     }
     let _ = token;

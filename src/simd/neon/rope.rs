@@ -145,6 +145,56 @@ fn narrow_bf16(lo: float32x4_t, hi: float32x4_t) -> uint16x8_t {
     vshrn_high_n_u32::<16>(vshrn_n_u32::<16>(a), b)
 }
 
+/// `dst[i] = f32(src[i])` for bf16 (`bf16`) or f16 bits, eight at a time (the rest one by one,
+/// through `half`): exact either way.
+///
+/// # Safety
+/// NEON must be available; `src` points at `dst.len()` readable u16.
+#[target_feature(enable = "neon")]
+pub(crate) unsafe fn widen16(src: *const u16, dst: &mut [f32], bf16: bool) {
+    let n = dst.len();
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: 8 u16 at src + i and 8 f32 at dst + i are in bounds (i + 8 ≤ n).
+        unsafe {
+            let v = vld1q_u16(src.add(i));
+            let (lo, hi) = if bf16 { widen_bf16(v) } else { widen_f16(v) };
+            vst1q_f32(dst.as_mut_ptr().add(i), lo);
+            vst1q_f32(dst.as_mut_ptr().add(i + 4), hi);
+        }
+        i += 8;
+    }
+    for (j, d) in dst.iter_mut().enumerate().skip(i) {
+        // SAFETY: j < n.
+        let b = unsafe { *src.add(j) };
+        *d = if bf16 { half::bf16::from_bits(b).to_f32() } else { half::f16::from_bits(b).to_f32() };
+    }
+}
+
+/// `dst[i] = bf16/f16(src[i])` (nearest even, as `half`; NaN payloads aside for f16), eight at a
+/// time, the rest one by one through `half`.
+///
+/// # Safety
+/// NEON must be available; `dst` points at `src.len()` writable u16.
+#[target_feature(enable = "neon")]
+pub(crate) unsafe fn narrow16(src: &[f32], dst: *mut u16, bf16: bool) {
+    let n = src.len();
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: 8 f32 at src + i and 8 u16 at dst + i are in bounds (i + 8 ≤ n).
+        unsafe {
+            let (lo, hi) = (vld1q_f32(src.as_ptr().add(i)), vld1q_f32(src.as_ptr().add(i + 4)));
+            vst1q_u16(dst.add(i), if bf16 { narrow_bf16(lo, hi) } else { narrow_f16(lo, hi) });
+        }
+        i += 8;
+    }
+    for (j, s) in src.iter().enumerate().skip(i) {
+        let b = if bf16 { half::bf16::from_f32(*s).to_bits() } else { half::f16::from_f32(*s).to_bits() };
+        // SAFETY: j < n.
+        unsafe { *dst.add(j) = b };
+    }
+}
+
 /// Four pairs `(x0, x1)` with `c`, `s`: the oracle's operations (`rotate_neon`'s half-split
 /// step), rounded after each as `r` says.
 #[target_feature(enable = "neon")]
