@@ -790,6 +790,69 @@ fn kv_stores_every_isa() {
     go!(paged_qkv::E4M3);
 }
 
+/// The fast KV stores of f32 values at the edges of the range into every cache dtype equal the
+/// oracle's bit for bit on every ISA: zeros of both signs, f32 and bf16 subnormals, f16
+/// subnormals and values that round to f16's largest finite or overflow it, halfway cases of
+/// bf16 and f16 rounding, the largest finite f32, infinities, mixed with ordinary values in one
+/// row of 40 (whole vectors and a tail). NaN compares as one value (payloads are outside the
+/// promise).
+#[test]
+fn kv_stores_edge_values_every_isa() {
+    let mut rng = Rng::new(77);
+    let shape = CacheShape::mha(16, 1, 4, 2, 20).unwrap();
+    let (lens, cl) = ([5usize, 3], [2u32, 0]);
+    let pg = pages(&mut rng, &cl, &lens, 4, 16);
+    let m: usize = lens.iter().sum();
+    let edge = |rng: &mut Rng| -> f32 {
+        let sign = if rng.below(2) == 0 { 1.0 } else { -1.0 };
+        sign * match rng.below(14) {
+            0 => 0.0,
+            1 => f32::from_bits(rng.range(1, 0x7F_FFFF) as u32),
+            2 => f32::from_bits(rng.range(0x1_0000, 0x7F_FFFF) as u32),
+            3 => f32::from_bits(0x0001_8000 | (rng.below(2) as u32) << 16), // bf16 halfway, odd or even
+            4 => f32::from_bits(0x3F80_8000 + ((rng.below(2) as u32) << 16)),
+            5 => 2f32.powi(-24) * (0.5 + rng.below(4) as f32 * 0.5), // f16 subnormal halfway cases
+            6 => 65504.0 + rng.below(3) as f32 * 16.0,               // f16 max, its halfway, overflow
+            7 => f32::MAX,
+            8 => f32::INFINITY,
+            9 => f32::NAN,
+            _ => rng.normal() * 100.0,
+        }
+    };
+    let vals: Vec<f32> = (0..m * 40).map(|_| edge(&mut rng)).collect();
+    let offs = offsets(&lens);
+    macro_rules! go {
+        ($c:ty) => {
+            for which in [KvSel::K, KvSel::V] {
+                let run = |e: Option<Exec>| {
+                    let mut cache: PagedKvCache<$c> = random_cache(&mut Rng::new(2), shape);
+                    let table = PageTable::new(&pg.lookup, pg.cols, &pg.cache_lengths).unwrap();
+                    let mut kv = KvWrite::new(cache.view_mut(), table, 0);
+                    let a = KvStoreRaggedArgs { values: &vals, input_row_offsets: &offs, which };
+                    match e {
+                        Some(e) => fast::kv_store_ragged(&a, &mut kv, e).unwrap(),
+                        None => reference::kv_store_ragged(&a, &mut kv).unwrap(),
+                    }
+                    let nan = cache.data().iter().map(|v| v.to_f32().is_nan());
+                    bits(cache.data())
+                        .into_iter()
+                        .zip(nan)
+                        .map(|(b, n)| if n { u32::MAX } else { b })
+                        .collect::<Vec<_>>()
+                };
+                let want = run(None);
+                for e in execs() {
+                    assert_eq!(run(Some(e)), want, "{e:?} {which:?} {}", stringify!($c));
+                }
+            }
+        };
+    }
+    go!(bf16);
+    go!(f16);
+    go!(f32);
+    go!(paged_qkv::E4M3);
+}
+
 /// A KV store followed by a RoPE on the same cache, ragged or padded (bf16 values and Q).
 enum StoreThenRope<'a> {
     Ragged(KvStoreRaggedArgs<'a, bf16>, RopeRaggedArgs<'a, bf16, f32>),
