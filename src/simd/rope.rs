@@ -208,6 +208,34 @@ pub(crate) fn rotate(token: IsaToken, x: &mut [f32], row: &RopeRow<'_>, interlea
     }
 }
 
+/// `dst[j] = f32(src[j])` for `j` from `from` on, bf16 (`bf16`) or f16 bits, through `half`: the
+/// SIMD `widen16` kernels' tail.
+///
+/// # Safety
+/// `src` points at `dst.len()` readable u16.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+pub(crate) unsafe fn widen16_tail(src: *const u16, dst: &mut [f32], from: usize, bf16: bool) {
+    for (j, d) in dst.iter_mut().enumerate().skip(from) {
+        // SAFETY: j < dst.len().
+        let b = unsafe { *src.add(j) };
+        *d = if bf16 { half::bf16::from_bits(b).to_f32() } else { half::f16::from_bits(b).to_f32() };
+    }
+}
+
+/// `dst[j] = bf16/f16(src[j])` for `j` from `from` on, through `half`: the SIMD `narrow16`
+/// kernels' tail.
+///
+/// # Safety
+/// `dst` points at `src.len()` writable u16.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+pub(crate) unsafe fn narrow16_tail(src: &[f32], dst: *mut u16, from: usize, bf16: bool) {
+    for (j, s) in src.iter().enumerate().skip(from) {
+        let b = if bf16 { half::bf16::from_f32(*s).to_bits() } else { half::f16::from_f32(*s).to_bits() };
+        // SAFETY: j < src.len().
+        unsafe { *dst.add(j) = b };
+    }
+}
+
 /// `dst[i] = src[i].to_f32()` (exact).
 pub(crate) fn widen<T: Element>(token: IsaToken, src: &[T], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len());
@@ -608,8 +636,7 @@ impl<T: Element, C: Element> HalfRows<T, C> {
     }
 }
 
-/// `token_half_avx512::<KQ, KK, KF, N, CVT>`'s and `token_inter_avx512`'s signature (`freqs, q,
-/// out, hq, k, hk`).
+/// The token kernels' signature (`token_avx512`, `token_avx2`: `freqs, q, out, hq, k, hk`).
 type TokenKernel = unsafe fn(*const u8, *const u8, *mut u8, usize, *mut u8, usize);
 
 /// A token kernel chosen by [`TokenFn::new`] for Q heads of `T`, cache heads of `C` and
@@ -628,8 +655,7 @@ pub(crate) struct TokenFn<T, C, F> {
 impl<T: Element, C: Element, F: Element> TokenFn<T, C, F> {
     /// The token kernel of a call's shape, where one applies: AVX-512 or AVX2, `F32` math, whole
     /// heads (`rope_dim` equal to both head sizes) of 64 or 128 dims, Q and cache of one type,
-    /// freqs f32 or of that type; either pairing (`token_half_avx512`, `token_inter_avx512`,
-    /// `token_avx2`). The forms stay in registers (AVX2: partly on the stack) for all of the
+    /// freqs f32 or of that type; either pairing (`token_avx512`, `token_avx2`). The forms stay in registers (AVX2: partly on the stack) for all of the
     /// token's heads instead of going through a per-token buffer, and the call's rows skip the
     /// general path's checks and dispatch. The same operations, so the same bits. Measured: see
     /// README ("RoPE on Zen 5", "Token kernels for both pairings").
@@ -643,9 +669,7 @@ impl<T: Element, C: Element, F: Element> TokenFn<T, C, F> {
     ) -> Option<Self> {
         #[cfg(target_arch = "x86_64")]
         {
-            use super::x86::rope::{
-                BF16, F16, F32, token_avx2, token_half_avx512 as half, token_inter_avx512 as inter,
-            };
+            use super::x86::rope::{BF16, F16, F32, token_avx2, token_avx512};
             if !matches!(token.0, Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx2)
                 || r != Round::None
                 || rd != dq
@@ -669,10 +693,10 @@ impl<T: Element, C: Element, F: Element> TokenFn<T, C, F> {
                         (false, 2) if avx2 => token_avx2::<$kq, $kk, $kf, 2, false> as TokenKernel,
                         (true, 1) if avx2 => token_avx2::<$kq, $kk, $kf, 1, true> as TokenKernel,
                         (true, 2) if avx2 => token_avx2::<$kq, $kk, $kf, 2, true> as TokenKernel,
-                        (false, 1) => half::<$kq, $kk, $kf, 1, $cvt> as TokenKernel,
-                        (false, 2) => half::<$kq, $kk, $kf, 2, $cvt> as TokenKernel,
-                        (true, 1) => inter::<$kq, $kk, $kf, 1, $cvt> as TokenKernel,
-                        (true, 2) => inter::<$kq, $kk, $kf, 2, $cvt> as TokenKernel,
+                        (false, 1) => token_avx512::<$kq, $kk, $kf, 1, $cvt, false> as TokenKernel,
+                        (false, 2) => token_avx512::<$kq, $kk, $kf, 2, $cvt, false> as TokenKernel,
+                        (true, 1) => token_avx512::<$kq, $kk, $kf, 1, $cvt, true> as TokenKernel,
+                        (true, 2) => token_avx512::<$kq, $kk, $kf, 2, $cvt, true> as TokenKernel,
                         _ => return None,
                     }
                 };

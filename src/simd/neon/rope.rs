@@ -164,11 +164,8 @@ pub(crate) unsafe fn widen16(src: *const u16, dst: &mut [f32], bf16: bool) {
         }
         i += 8;
     }
-    for (j, d) in dst.iter_mut().enumerate().skip(i) {
-        // SAFETY: j < n.
-        let b = unsafe { *src.add(j) };
-        *d = if bf16 { half::bf16::from_bits(b).to_f32() } else { half::f16::from_bits(b).to_f32() };
-    }
+    // SAFETY: the caller's contract, from element i on.
+    unsafe { super::super::rope::widen16_tail(src, dst, i, bf16) }
 }
 
 /// `dst[i] = bf16/f16(src[i])` (nearest even, as `half`; NaN payloads aside for f16), eight at a
@@ -188,11 +185,8 @@ pub(crate) unsafe fn narrow16(src: &[f32], dst: *mut u16, bf16: bool) {
         }
         i += 8;
     }
-    for (j, s) in src.iter().enumerate().skip(i) {
-        let b = if bf16 { half::bf16::from_f32(*s).to_bits() } else { half::f16::from_f32(*s).to_bits() };
-        // SAFETY: j < n.
-        unsafe { *dst.add(j) = b };
-    }
+    // SAFETY: the caller's contract, from element i on.
+    unsafe { super::super::rope::narrow16_tail(src, dst, i, bf16) }
 }
 
 /// Four pairs `(x0, x1)` with `c`, `s`: the oracle's operations (`rotate_neon`'s half-split

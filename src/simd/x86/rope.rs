@@ -261,11 +261,8 @@ pub(crate) unsafe fn widen16(src: *const u16, dst: &mut [f32], bf16: bool) {
         }
         i += 8;
     }
-    for (j, d) in dst.iter_mut().enumerate().skip(i) {
-        // SAFETY: j < n.
-        let b = unsafe { *src.add(j) };
-        *d = if bf16 { half::bf16::from_bits(b).to_f32() } else { half::f16::from_bits(b).to_f32() };
-    }
+    // SAFETY: the caller's contract, from element i on.
+    unsafe { super::super::rope::widen16_tail(src, dst, i, bf16) }
 }
 
 /// `dst[i] = bf16/f16(src[i])`, round to nearest even, NaN made quiet (as `half`).
@@ -293,11 +290,8 @@ pub(crate) unsafe fn narrow16(src: &[f32], dst: *mut u16, bf16: bool) {
         }
         i += 8;
     }
-    for (j, s) in src.iter().enumerate().skip(i) {
-        let b = if bf16 { half::bf16::from_f32(*s).to_bits() } else { half::f16::from_f32(*s).to_bits() };
-        // SAFETY: j < n.
-        unsafe { *dst.add(j) = b };
-    }
+    // SAFETY: the caller's contract, from element i on.
+    unsafe { super::super::rope::narrow16_tail(src, dst, i, bf16) }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -689,14 +683,23 @@ unsafe fn heads_half_regs<const K: u8, const N: usize, const CVT: bool>(
 /// the forms' round trip through memory and the per-token buffer (measured: see
 /// `crate::simd::rope::HalfRows`).
 ///
-/// `CVT`: bf16 heads stored by [`join_bf16_cvt`] (the same bits as [`join_bf16`]).
+/// `INTER`: interleaved pairs instead ([`heads_inter_regs`]: the same operations as
+/// [`RopeRow::fill`] followed by [`heads_avx512`], interleaved, `F32`). `CVT`: bf16 heads stored
+/// by [`join_bf16_cvt`] (the same bits as [`join_bf16`]).
 ///
 /// # Safety
 /// AVX-512 F and BW (and BF16 when `CVT`) must be available; `freqs` holds `64 N` elements of
-/// kind `KF`; `q` and `out`
-/// hold `hq · 64 N` elements of kind `KQ` and do not overlap; `k` holds `hk · 64 N` of kind `KK`.
+/// kind `KF`; `q` and `out` hold `hq · 64 N` elements of kind `KQ` and do not overlap; `k` holds
+/// `hk · 64 N` of kind `KK`.
 #[target_feature(enable = "avx512f,avx512bw")]
-pub(crate) unsafe fn token_half_avx512<const KQ: u8, const KK: u8, const KF: u8, const N: usize, const CVT: bool>(
+pub(crate) unsafe fn token_avx512<
+    const KQ: u8,
+    const KK: u8,
+    const KF: u8,
+    const N: usize,
+    const CVT: bool,
+    const INTER: bool,
+>(
     freqs: *const u8,
     q: *const u8,
     out: *mut u8,
@@ -708,8 +711,13 @@ pub(crate) unsafe fn token_half_avx512<const KQ: u8, const KK: u8, const KF: u8,
     // SAFETY: chunk b's 64 freqs lie at 64 b (b < N) of the 64 N; the heads as the contract says.
     unsafe {
         let forms: [ChunkForms; N] = std::array::from_fn(|b| chunk_forms::<KF>(freqs.add(64 * b * fsize)));
-        heads_half_regs::<KQ, N, CVT>(q, out, hq, &forms);
-        heads_half_regs::<KK, N, CVT>(k, k, hk, &forms);
+        if INTER {
+            heads_inter_regs::<KQ, N, CVT>(q, out, hq, &forms);
+            heads_inter_regs::<KK, N, CVT>(k, k, hk, &forms);
+        } else {
+            heads_half_regs::<KQ, N, CVT>(q, out, hq, &forms);
+            heads_half_regs::<KK, N, CVT>(k, k, hk, &forms);
+        }
     }
 }
 
@@ -793,33 +801,6 @@ unsafe fn heads_inter_regs<const K: u8, const N: usize, const CVT: bool>(
                 }
             }
         }
-    }
-}
-
-/// [`token_half_avx512`] for interleaved pairs: one token's Q heads (kind `KQ`) from `q` into
-/// `out` and K heads (kind `KK`) in place at `k`, whole heads of `64 N` dims in `F32` math, the
-/// freqs row (kind `KF`) read once into registers. The same operations as [`RopeRow::fill`]
-/// followed by [`heads_avx512`] (interleaved, `F32`), so the same bits, without the per-token
-/// forms buffer and the general kernel's run-time pairing and rounding (measured: see
-/// `crate::simd::rope::TokenFn`).
-///
-/// # Safety
-/// As [`token_half_avx512`].
-#[target_feature(enable = "avx512f,avx512bw")]
-pub(crate) unsafe fn token_inter_avx512<const KQ: u8, const KK: u8, const KF: u8, const N: usize, const CVT: bool>(
-    freqs: *const u8,
-    q: *const u8,
-    out: *mut u8,
-    hq: usize,
-    k: *mut u8,
-    hk: usize,
-) {
-    let fsize = if KF == F32 { 4 } else { 2 };
-    // SAFETY: chunk b's 64 freqs lie at 64 b (b < N) of the 64 N; the heads as the contract says.
-    unsafe {
-        let forms: [ChunkForms; N] = std::array::from_fn(|b| chunk_forms::<KF>(freqs.add(64 * b * fsize)));
-        heads_inter_regs::<KQ, N, CVT>(q, out, hq, &forms);
-        heads_inter_regs::<KK, N, CVT>(k, k, hk, &forms);
     }
 }
 
@@ -1221,7 +1202,7 @@ unsafe fn heads_regs_256<const K: u8, const N: usize, const INTER: bool>(
     }
 }
 
-/// [`token_half_avx512`] (`INTER` false) and [`token_inter_avx512`] (`INTER` true) on AVX2: one
+/// [`token_avx512`] (`INTER` false) and [`token_avx512`] (`INTER` true) on AVX2: one
 /// token's Q heads from `q` into `out` and K heads in place at `k`, whole heads of `64 N` dims in
 /// `F32` math, the freqs row read once per token. The same operations as the forms' fill
 /// followed by [`heads_half_avx2`] or [`heads_avx2`], so the same bits, without the per-token
@@ -1229,7 +1210,7 @@ unsafe fn heads_regs_256<const K: u8, const N: usize, const INTER: bool>(
 /// `crate::simd::rope::TokenFn`).
 ///
 /// # Safety
-/// AVX2, FMA and F16C must be available; otherwise as [`token_half_avx512`].
+/// AVX2, FMA and F16C must be available; otherwise as [`token_avx512`].
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn token_avx2<const KQ: u8, const KK: u8, const KF: u8, const N: usize, const INTER: bool>(
     freqs: *const u8,
