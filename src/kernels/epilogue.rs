@@ -256,8 +256,7 @@ impl<'a, O: Element, C: Element> QkvDest<'a, O, C> {
         rope: Option<EpiRope>,
         token: IsaToken,
     ) -> Self {
-        let base = shape.slot_base_fn(layer);
-        let slot_base: Pooled<Option<usize>> = plan.rows.iter().map(|s| s.map(|s| base(s.block, s.offset))).collect();
+        let slot_base = super::rope::slot_bases(plan, &shape, layer, 0);
         let kv_rows = slot_base
             .iter()
             .any(Option::is_none)

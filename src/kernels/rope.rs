@@ -14,7 +14,7 @@ use crate::element::Element;
 use crate::ops::RopeMath;
 use crate::pool::Pooled;
 use crate::simd::IsaToken;
-use crate::simd::rope::{HalfRows, RopeRow, Round, TokenFn, narrow, rotate_token, widen};
+use crate::simd::rope::{HalfRows, RopeRow, Round, TokenFn, narrow, rotate_heads, rotate_heads_from, widen};
 
 /// The first element of each row's slot in layer `layer`, plus `offset` (the V part, or 0).
 pub(crate) fn slot_bases(plan: &SlotPlan, shape: &CacheShape, layer: usize, offset: usize) -> Pooled<Option<usize>> {
@@ -63,8 +63,11 @@ impl<F: Element> RopeSpec<'_, F> {
         // away from that distance the one pass measured faster on Zen 3 too (one core, best of
         // 300–5000 calls, alternating binaries: 64 Llama tokens 67–68 → 44–54 µs, 64 Qwen tokens
         // 15.8–16.1 → 11.5–11.7 µs, 512 Qwen tokens 131–182 → 93–121 µs; criterion, README).
+        // (`rope_rows` comes here only where `HalfRows::new` found no prepared path, so neither
+        // call takes the half-split kernels' shortcut for both Q and K.)
         let (i, r) = (self.interleaved, self.round());
-        rotate_token(token, q, out, self.q_heads, k, self.k_heads, &row, i, r, &mut bufs.1);
+        rotate_heads_from(token, Some(q), out, self.q_heads, &row, i, r, &mut bufs.1);
+        rotate_heads(token, k, self.k_heads, &row, i, r, &mut bufs.1);
     }
 }
 
@@ -196,9 +199,10 @@ pub(crate) fn rope_rows<T: Element, F: Element, C: Element>(
     assert!(qw > 0 && output.len() == bases.len() * qw && positions.len() == bases.len());
     let cache = SharedMut::new(cache);
     let rd = spec.rope_dim;
-    // The path is decided once for the call rather than per token: the AVX-512 token kernel where
-    // it applies, else the commonest case's prepared half-split kernels (half-split, `F32` math,
-    // whole heads of whole vectors), else `RopeSpec::row`. The same kernels and bits either way.
+    // The path is decided once for the call rather than per token: the token kernel where it
+    // applies (AVX-512 or AVX2, heads of 64 or 128 dims, `F32` math, either pairing), else the
+    // prepared half-split kernels (half-split, `F32` math, whole heads of whole vectors), else
+    // `RopeSpec::row`. The same kernels and bits either way.
     // Each path gets its own loop: one loop matching on the path per row measured 4–6 % slower
     // (Qwen-shaped bf16 tokens on one Zen 5 core, 512: 26.4–26.9 → 27.9 µs; 64: 3.11–3.17 →
     // 3.31–3.35 µs).

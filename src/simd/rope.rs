@@ -505,57 +505,11 @@ unsafe fn heads_half_x86(
     }
 }
 
-/// One token of the standalone RoPE: its `q_heads` from `q` into `out` in one pass, and its
-/// `k_heads` in place in `k` — [`rotate_heads_from`] then [`rotate_heads`], the same operations
-/// and bits. Where both take the half-split `F32` kernel over whole heads (the common case) the
-/// checks and the dispatch are done once for the two: with Qwen's 64-dim heads the two calls'
-/// checks and dispatch were 9 % of a bf16 call's samples, now 3–4 % (Zen 3, 512 tokens; best of
-/// 3000 calls, three alternating runs: 97–125 → 89–94 µs, medians within the VM's noise).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn rotate_token<T: Element, C: Element>(
-    token: IsaToken,
-    q: &[T],
-    out: &mut [T],
-    q_heads: (usize, usize),
-    k: &mut [C],
-    k_heads: (usize, usize),
-    row: &RopeRow<'_>,
-    interleaved: bool,
-    r: Round,
-    buf: &mut [f32],
-) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let (hh, ((hq, dq), (hk, dk))) = (row.c.len(), (q_heads, k_heads));
-        if let (Some(kq), Some(kk)) =
-            (half_kernel::<T>(token, interleaved, r, hh), half_kernel::<C>(token, interleaved, r, hh))
-            && 2 * hh == dq
-            && 2 * hh == dk
-        {
-            assert!(q.len() >= hq * dq && out.len() >= hq * dq && k.len() >= hk * dk);
-            assert!(row.s.len() == hh && row.cd.len() == hh && row.sd.len() == hh);
-            // SAFETY: the token is an x86 level the kernels run on and the rotary half is whole
-            // vectors for both kinds (`half_kernel`), and the whole head (2 · hh = d); `q`, `out`
-            // hold hq · dq elements of T and `k` hk · dk of C (asserted), `q` and `out` are
-            // distinct borrows (not overlapping) and `k` is rotated in place; `row` holds the
-            // half-split forms of hh pairs (asserted, `c` by its length).
-            unsafe {
-                heads_half_x86(token, kq, q.as_ptr().cast(), out.as_mut_ptr().cast(), hq, dq, hh, row);
-                let kp = k.as_mut_ptr().cast::<u8>();
-                heads_half_x86(token, kk, kp.cast_const(), kp, hk, dk, hh, row);
-            }
-            return;
-        }
-    }
-    rotate_heads_from(token, Some(q), out, q_heads, row, interleaved, r, buf);
-    rotate_heads(token, k, k_heads, row, interleaved, r, buf);
-}
-
 /// The standalone RoPE's commonest case, decided once per call instead of per token: half-split
 /// pairs, `F32` math, whole heads rotated (`rope_dim` = both head sizes) and a rotary half of
 /// whole vectors, on an x86 level whose half-split head kernels take both element types. Per
-/// token it fills the forms and runs the two head kernels — what [`rotate_token`] does after its
-/// checks, so the same operations and bits. Measured (Intel Xeon Emerald Rapids, a driver
+/// token it fills the forms and runs the two head kernels — what [`rotate_heads_from`] and
+/// [`rotate_heads`] do after their checks, so the same operations and bits. Measured (Intel Xeon Emerald Rapids, a driver
 /// alternating the two versions call by call, medians of 1900 calls): 1–3 % faster in each of
 /// ten cases (bf16 Qwen 64 / 512 and Llama 64 / 512 tokens, f32 Qwen 512; one and two threads),
 /// e.g. 512 Qwen-shaped bf16 tokens on one core 72.8 → 70.7 µs. perf had put the per-token code
@@ -578,7 +532,7 @@ pub(crate) struct HalfRows<T, C> {
 
 impl<T: Element, C: Element> HalfRows<T, C> {
     /// The prepared path for Q heads of `T` and cache heads of `C`, or `None` where the general
-    /// per-token path ([`rotate_token`]) must run.
+    /// per-token path ([`rotate_heads_from`], [`rotate_heads`]) must run.
     pub fn new(
         token: IsaToken,
         interleaved: bool,
@@ -655,9 +609,10 @@ pub(crate) struct TokenFn<T, C, F> {
 impl<T: Element, C: Element, F: Element> TokenFn<T, C, F> {
     /// The token kernel of a call's shape, where one applies: AVX-512 or AVX2, `F32` math, whole
     /// heads (`rope_dim` equal to both head sizes) of 64 or 128 dims, Q and cache of one type,
-    /// freqs f32 or of that type; either pairing (`token_avx512`, `token_avx2`). The forms stay in registers (AVX2: partly on the stack) for all of the
-    /// token's heads instead of going through a per-token buffer, and the call's rows skip the
-    /// general path's checks and dispatch. The same operations, so the same bits. Measured: see
+    /// freqs f32 or of that type; either pairing (`token_avx512`, `token_avx2`). The forms stay
+    /// in registers (AVX2: partly on the stack) for all of the token's heads instead of going
+    /// through a per-token buffer, and the call's rows skip the general path's checks and
+    /// dispatch. The same operations, so the same bits. Measured: see
     /// README ("RoPE on Zen 5", "Token kernels for both pairings").
     pub fn new(
         token: IsaToken,
