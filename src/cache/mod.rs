@@ -3,7 +3,7 @@
 
 pub(crate) mod plan;
 
-pub(crate) use plan::SlotPlan;
+pub(crate) use plan::{RaggedSlots, SeqCursor, SlotPlan};
 
 use crate::element::Element;
 use crate::error::{Error, Result, checked_len};
@@ -176,9 +176,15 @@ impl CacheShape {
     /// per-row slot bases were ~3 % of a 512-row Qwen-shaped bf16 RoPE call, AMD Zen 5, `perf`).
     #[inline]
     pub(crate) fn slot_base_fn(&self, layer: usize) -> impl Fn(usize, usize) -> usize + use<> {
-        let slot = self.num_kv_heads * self.head_size;
-        let (block, at) = (self.kv_dim * self.num_layers * self.page_size * slot, layer * self.page_size * slot);
+        let (block, at, slot) = self.slot_strides(layer);
         move |b, s| b * block + at + s * slot
+    }
+    /// The strides of [`slot_base_fn`](Self::slot_base_fn): `slot_base(b, layer, s) = b · block
+    /// + at + s · slot` as `(block, at, slot)`.
+    #[inline]
+    pub(crate) fn slot_strides(&self, layer: usize) -> (usize, usize, usize) {
+        let slot = self.num_kv_heads * self.head_size;
+        (self.kv_dim * self.num_layers * self.page_size * slot, layer * self.page_size * slot, slot)
     }
     /// The coordinates `[block, kv, layer, slot, head, dim]` of a flat index.
     pub fn coords(&self, mut index: usize) -> [usize; 6] {

@@ -34,13 +34,9 @@ impl SlotPlan {
         layer: usize,
         rows: &[(usize, usize, bool)],
     ) -> Result<Self> {
-        if layer >= shape.num_layers() {
-            return Err(Error::LayerOutOfRange { layer, num_layers: shape.num_layers() });
-        }
-        let batch = table.batch_size();
         // New tokens per sequence: one past the largest written t; and whether the written rows'
         // `(b, t)` strictly increase (as every operation lists them), which makes them distinct.
-        let mut new_tokens = Pooled::filled(0usize, batch);
+        let mut new_tokens = Pooled::filled(0usize, table.batch_size());
         let (mut increasing, mut last) = (true, None);
         for &(b, t, w) in rows {
             if w {
@@ -49,36 +45,8 @@ impl SlotPlan {
                 last = Some((b, t));
             }
         }
+        let mut blocks = written_blocks(table, shape, layer, new_tokens.iter().copied())?;
         let p = shape.page_size() as u64;
-        // The blocks of the pages written (each sequence's pages from its first new position
-        // to its last).
-        let mut blocks: Pooled<u32> = Pooled::new();
-        for (b, &n) in new_tokens.iter().enumerate() {
-            if n == 0 {
-                continue;
-            }
-            let start = table.cache_length(b) as u64;
-            let end = start + n as u64; // one past the last position written
-            if end - 1 > u32::MAX as u64 {
-                return Err(Error::PositionOverflow { batch: b, cache_length: table.cache_length(b), new_tokens: n });
-            }
-            let pages_needed = end.div_ceil(p);
-            if pages_needed > table.cols() as u64 {
-                return Err(Error::PageTableCapacity { batch: b, pages_needed, cols: table.cols() });
-            }
-            for page in (start / p)..pages_needed {
-                let block = table.block(b, page as usize);
-                if block as usize >= shape.num_blocks() {
-                    return Err(Error::BlockOutOfRange {
-                        batch: b,
-                        logical_page: page as usize,
-                        block,
-                        num_blocks: shape.num_blocks(),
-                    });
-                }
-                blocks.push(block);
-            }
-        }
         // Page and offset of a position: a shift and a mask for the usual power-of-two page sizes
         // (a 64-bit division per row was ~1 % of a 512-row Qwen-shaped bf16 RoPE call on AMD Zen 5).
         let shift = if p.is_power_of_two() { Some(p.trailing_zeros()) } else { None };
@@ -105,8 +73,7 @@ impl SlotPlan {
         // the rows; otherwise the exact check below finds the first conflict. Measured (Intel
         // Xeon, one core, a ragged RoPE call's validation alone, Qwen-2.5-0.5B shapes): 512 rows
         // 8.7 → 8.1 µs, 64 rows 1.1 → 0.8 µs.
-        blocks.sort_unstable();
-        if increasing && blocks.windows(2).all(|w| w[0] != w[1]) {
+        if increasing && distinct(&mut blocks) {
             return Ok(SlotPlan { rows: plan });
         }
         let mut keys: Pooled<(usize, RowSlot)> =
@@ -124,5 +91,251 @@ impl SlotPlan {
             });
         }
         Ok(SlotPlan { rows: plan })
+    }
+}
+
+/// Checks the pages a call writes, `new_tokens[b]` tokens of every sequence `b` from its cache
+/// length on (the layer, positions within `u32`, the table's capacity, blocks of the cache), and
+/// returns the blocks of those pages. The checks and their order are [`SlotPlan::build`]'s.
+fn written_blocks(
+    table: &PageTable<'_>,
+    shape: &CacheShape,
+    layer: usize,
+    new_tokens: impl Iterator<Item = usize>,
+) -> Result<Pooled<u32>> {
+    if layer >= shape.num_layers() {
+        return Err(Error::LayerOutOfRange { layer, num_layers: shape.num_layers() });
+    }
+    let p = shape.page_size() as u64;
+    // The blocks of the pages written (each sequence's pages from its first new position to its
+    // last).
+    let mut blocks: Pooled<u32> = Pooled::new();
+    for (b, n) in new_tokens.enumerate() {
+        if n == 0 {
+            continue;
+        }
+        let start = table.cache_length(b) as u64;
+        let end = start + n as u64; // one past the last position written
+        if end - 1 > u32::MAX as u64 {
+            return Err(Error::PositionOverflow { batch: b, cache_length: table.cache_length(b), new_tokens: n });
+        }
+        let pages_needed = end.div_ceil(p);
+        if pages_needed > table.cols() as u64 {
+            return Err(Error::PageTableCapacity { batch: b, pages_needed, cols: table.cols() });
+        }
+        for page in (start / p)..pages_needed {
+            let block = table.block(b, page as usize);
+            if block as usize >= shape.num_blocks() {
+                return Err(Error::BlockOutOfRange {
+                    batch: b,
+                    logical_page: page as usize,
+                    block,
+                    num_blocks: shape.num_blocks(),
+                });
+            }
+            blocks.push(block);
+        }
+    }
+    Ok(blocks)
+}
+
+/// Whether no block appears twice (sorts `blocks`).
+fn distinct(blocks: &mut [u32]) -> bool {
+    blocks.sort_unstable();
+    blocks.windows(2).all(|w| w[0] != w[1])
+}
+
+/// The slots of a ragged batch in which every row writes (`input_row_offsets` `offsets`; row
+/// `offsets[b] + t` writes position `cache_lengths[b] + t`), found from each row's sequence and
+/// index when it is visited rather than listed per row: what [`SlotPlan::build`] gives such a
+/// batch, without its passes over the rows (validation, then the slot of every row, then their
+/// bases), which were ~10 % of a 512-row Qwen-shaped bf16 RoPE call on one core and serial on
+/// every core count.
+///
+/// It exists only where the plan would succeed with no two written pages in one block, which is
+/// what makes the rows' slots disjoint (as in `SlotPlan::build`: distinct rows of one sequence
+/// have distinct positions, and distinct sequences write distinct pages).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RaggedSlots<'a> {
+    offsets: &'a [u32],
+    table: PageTable<'a>,
+    /// `log2(page_size)` where the page size is a power of two.
+    shift: Option<u32>,
+    page: usize,
+    /// `CacheShape::slot_strides` of the layer.
+    strides: (usize, usize, usize),
+}
+
+impl<'a> RaggedSlots<'a> {
+    /// The slots of every row of `offsets` (already checked: starts at 0, non-decreasing, one
+    /// entry per sequence of `table` plus one), or `None` where [`SlotPlan::build`] would fail or
+    /// two written pages share a block (the plan then finds the error or checks every slot).
+    pub fn new(table: PageTable<'a>, shape: &CacheShape, layer: usize, offsets: &'a [u32]) -> Option<Self> {
+        debug_assert_eq!(offsets.len(), table.batch_size() + 1);
+        let new_tokens = offsets.windows(2).map(|w| (w[1] - w[0]) as usize);
+        let mut blocks = written_blocks(&table, shape, layer, new_tokens).ok()?;
+        if !distinct(&mut blocks) {
+            return None;
+        }
+        let page = shape.page_size();
+        let strides = shape.slot_strides(layer);
+        let shift = page.is_power_of_two().then(|| page.trailing_zeros());
+        Some(RaggedSlots { offsets, table, shift, page, strides })
+    }
+
+    /// A cursor at row `first` (`first` below the batch's rows), for [`Self::slot`].
+    pub fn cursor(&self, first: usize) -> SeqCursor {
+        let b = self.offsets.partition_point(|&o| o as usize <= first) - 1;
+        self.at_seq(b)
+    }
+
+    fn at_seq(&self, b: usize) -> SeqCursor {
+        // Row r of sequence b lies at cache position `cache_lengths[b] + r − offsets[b]`, which
+        // is `r + delta` in wrapping arithmetic.
+        let delta = (self.table.cache_length(b) as usize).wrapping_sub(self.offsets[b] as usize);
+        SeqCursor { b, end: self.offsets[b + 1] as usize, delta, lookup: b * self.table.cols() }
+    }
+
+    /// Row `r`'s slot (its first element in the cache) and cache position, moving `cursor` (from
+    /// [`Self::cursor`] at or before `r`, moved only forward) to `r`'s sequence.
+    #[inline(always)]
+    pub fn slot(&self, cursor: &mut SeqCursor, r: usize) -> (usize, usize) {
+        while r >= cursor.end {
+            *cursor = self.at_seq(cursor.b + 1);
+        }
+        let pos = r.wrapping_add(cursor.delta);
+        let (page, slot) = match self.shift {
+            Some(s) => (pos >> s, pos & (self.page - 1)),
+            None => (pos / self.page, pos % self.page),
+        };
+        let block = self.table.lookup()[cursor.lookup + page] as usize;
+        let (bs, at, ss) = self.strides;
+        (block * bs + at + slot * ss, pos)
+    }
+}
+
+impl RaggedSlots<'_> {
+    /// [`Self::slot`] of row `r` and the length of its run: the rows from `r` to its
+    /// sequence's last or its page's last slot, whichever comes first (consecutive positions,
+    /// slots [`Self::stride`] apart).
+    #[inline(always)]
+    pub fn run(&self, cursor: &mut SeqCursor, r: usize) -> (usize, usize, usize) {
+        let (base, pos) = self.slot(cursor, r);
+        let in_page = match self.shift {
+            Some(_) => self.page - (pos & (self.page - 1)),
+            None => self.page - pos % self.page,
+        };
+        (base, pos, in_page.min(cursor.end - r))
+    }
+
+    /// The distance between the slots of consecutive positions in one page.
+    pub fn stride(&self) -> usize {
+        self.strides.2
+    }
+}
+
+/// A place in a [`RaggedSlots`] batch: a sequence and what its rows share.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SeqCursor {
+    b: usize,
+    /// One past the sequence's last row.
+    end: usize,
+    /// `cache_lengths[b] − offsets[b]` (wrapping).
+    delta: usize,
+    /// The first entry of the sequence's row of the lookup table.
+    lookup: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{RaggedSlots, SlotPlan};
+    use crate::cache::{CacheShape, PageTable};
+
+    /// On random ragged batches (page sizes a power of two or not, MHA and MLA, cache lengths,
+    /// empty sequences, tables whose entries may repeat a block or leave the cache), `RaggedSlots`
+    /// exists exactly where the slot plan succeeds with no two written pages in one block, and
+    /// then gives every row the plan's slot.
+    #[test]
+    fn ragged_slots_equal_the_plan() {
+        let mut rng = fastrand::Rng::with_seed(11);
+        let (mut some, mut none) = (0, 0);
+        for case in 0..4000 {
+            let page = [1, 2, 3, 4, 5, 16][rng.usize(..6)];
+            let blocks = rng.usize(1..12);
+            let shape = if case % 5 == 4 {
+                CacheShape::mla(blocks, 2, page, 1, 6).unwrap()
+            } else {
+                CacheShape::mha(blocks, 2, page, rng.usize(1..3), 4).unwrap()
+            };
+            let batch = rng.usize(0..4);
+            let lens: Vec<u32> = (0..batch).map(|_| rng.u32(0..7)).collect();
+            let cache_lengths: Vec<u32> = (0..batch).map(|_| rng.u32(0..9)).collect();
+            let cols = rng.usize(1..6);
+            // Mostly distinct blocks in range; sometimes a repeated or out-of-range entry.
+            let mut pool: Vec<u32> = (0..(batch * cols) as u32).collect();
+            rng.shuffle(&mut pool);
+            let lookup: Vec<u32> = pool
+                .iter()
+                .map(|&b| match rng.usize(..20) {
+                    0 => rng.u32(..blocks as u32 + 2),
+                    _ => b,
+                })
+                .collect();
+            let table = PageTable::new(&lookup, cols, &cache_lengths).unwrap();
+            let mut offsets = vec![0u32];
+            for &l in &lens {
+                offsets.push(offsets.last().unwrap() + l);
+            }
+            let layer = rng.usize(0..3); // 2: out of range
+            let rows: Vec<(usize, usize, bool)> =
+                (0..batch).flat_map(|b| (0..lens[b] as usize).map(move |t| (b, t, true))).collect();
+            let plan = SlotPlan::build(&table, &shape, layer, &rows);
+            let slots = RaggedSlots::new(table, &shape, layer, &offsets);
+            // Whether two written pages (each sequence's, from the one holding its first new
+            // position to the one holding its last) lie in one block.
+            let shared = plan.is_ok() && {
+                let mut written: Vec<u32> = Vec::new();
+                for b in 0..batch {
+                    if lens[b] > 0 {
+                        let (start, end) = (cache_lengths[b] as usize, (cache_lengths[b] + lens[b]) as usize);
+                        written.extend((start / page..end.div_ceil(page)).map(|p| table.block(b, p)));
+                    }
+                }
+                written.sort();
+                written.windows(2).any(|w| w[0] == w[1])
+            };
+            assert_eq!(slots.is_some(), plan.is_ok() && !shared, "case {case}");
+            let (Some(s), Ok(plan)) = (slots, plan) else {
+                none += 1;
+                continue;
+            };
+            some += 1;
+            let base = shape.slot_base_fn(layer);
+            let mut from_0 = (!rows.is_empty()).then(|| s.cursor(0));
+            for (r, slot) in plan.rows.iter().enumerate() {
+                let slot = slot.unwrap();
+                let want = (base(slot.block, slot.offset), slot.pos as usize);
+                // A cursor carried from row 0, and one from the row itself.
+                assert_eq!(s.slot(from_0.as_mut().unwrap(), r), want, "case {case} row {r}");
+                assert_eq!(s.slot(&mut s.cursor(r), r), want, "case {case} row {r}");
+                // The run from row r: its rows' slots `stride` apart, positions consecutive, in
+                // one sequence; it ends at the sequence's end or the page's.
+                let (at, pos, n) = s.run(&mut s.cursor(r), r);
+                assert!((at, pos) == want && n >= 1 && r + n <= rows.len(), "case {case} row {r}");
+                for i in 0..n {
+                    let si = plan.rows[r + i].unwrap();
+                    assert_eq!(si.batch, slot.batch, "case {case} row {r}");
+                    assert_eq!(base(si.block, si.offset), at + i * s.stride(), "case {case} row {r}");
+                    assert_eq!(si.pos as usize, pos + i, "case {case} row {r}");
+                }
+                let last = plan.rows[r + n - 1].unwrap();
+                let ends = r + n == rows.len()
+                    || plan.rows[r + n].unwrap().batch != slot.batch
+                    || (last.pos as usize + 1).is_multiple_of(page);
+                assert!(ends, "case {case} row {r}: run of {n} stops early");
+            }
+        }
+        // Both outcomes are exercised.
+        assert!(some > 500 && none > 500, "{some} built, {none} not");
     }
 }

@@ -50,13 +50,14 @@ use crate::formats::QuantizedRef;
 use crate::kernels::epilogue::{Dest, EpiRope, MatrixDest, QkvDest};
 use crate::kernels::operands::{Fp4Operands, PlainOperands};
 use crate::kernels::pack::{Fp4Acts, PlainActs};
-use crate::kernels::rope::{RopeSpec, rope_rows, slot_bases, store_rows};
+use crate::kernels::rope::{Bases, Planned, Ragged, RopeSpec, RowSlots, rope_rows, slot_bases, store_rows};
 use crate::kernels::schedule::{Panels, run};
 pub use crate::kernels::{PackedPlainWeights, PackedWeights};
 use crate::ops::{
     KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, QkvRope, RopeBshdArgs, RopeMath,
-    RopeRaggedArgs, check_tensor, validate_fp4, validate_kv_store_bshd, validate_kv_store_ragged, validate_qkv_bshd,
-    validate_qkv_ragged, validate_rope_bshd, validate_rope_ragged, weight_rows,
+    RopeRaggedArgs, check_tensor, kv_store_ragged_slots, rope_ragged_slots, validate_fp4, validate_kv_store_bshd,
+    validate_kv_store_ragged, validate_qkv_bshd, validate_qkv_ragged, validate_rope_bshd, validate_rope_ragged,
+    weight_rows,
 };
 pub use crate::simd::Isa;
 use crate::simd::IsaToken;
@@ -638,7 +639,8 @@ pub fn rope_bshd<T: Element, C: Element>(
         k_heads: (shape.num_kv_heads(), d),
     };
     let bases = slot_bases(&plan, &shape, kv.layer_idx, 0);
-    rope_rows(token, exec.parallel(), &spec, args.q_proj, output, kv.cache.data_mut(), &bases, &positions);
+    let slots = Planned { bases: &bases, positions: &positions };
+    rope_rows(token, exec.parallel(), &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
     Ok(())
 }
 
@@ -680,7 +682,6 @@ pub fn rope_ragged<T: Element, F: Element, C: Element>(
     exec: Exec,
 ) -> Result<()> {
     let token = IsaToken::new(exec.isa)?;
-    let (plan, positions) = validate_rope_ragged(args, output.len(), kv)?;
     let shape = kv.cache.shape();
     let spec = RopeSpec {
         freqs: args.freqs_cis,
@@ -690,8 +691,19 @@ pub fn rope_ragged<T: Element, F: Element, C: Element>(
         q_heads: (args.num_q_heads, args.q_head_size),
         k_heads: (shape.num_kv_heads(), shape.head_size()),
     };
+    let parallel = exec.parallel();
+    // The usual call (no two written pages in one block, nothing invalid) needs no pass over its
+    // rows before the kernels: each row finds its slot from its sequence when it is rotated.
+    // Otherwise the full validation finds the error, or checks every slot and lists them.
+    if let Some(slots) = rope_ragged_slots(args, output.len(), kv) {
+        let slots = Ragged { slots, ids: args.position_ids };
+        rope_rows(token, parallel, &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
+        return Ok(());
+    }
+    let (plan, positions) = validate_rope_ragged(args, output.len(), kv)?;
     let bases = slot_bases(&plan, &shape, kv.layer_idx, 0);
-    rope_rows(token, exec.parallel(), &spec, args.q_proj, output, kv.cache.data_mut(), &bases, &positions);
+    let slots = Planned { bases: &bases, positions: &positions };
+    rope_rows(token, parallel, &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
     Ok(())
 }
 
@@ -704,8 +716,13 @@ pub fn kv_store_ragged<T: Element, C: Element>(
     exec: Exec,
 ) -> Result<()> {
     let token = IsaToken::new(exec.isa)?;
+    // As in `rope_ragged`: no pass over the rows where none is needed.
+    if let Some(slots) = kv_store_ragged_slots(args, kv) {
+        store(token, exec, args.values, args.which, kv, &Ragged { slots, ids: None });
+        return Ok(());
+    }
     let plan = validate_kv_store_ragged(args, kv)?;
-    store(token, exec, args.values, args.which, kv, &plan);
+    store_planned(token, exec, args.values, args.which, kv, &plan);
     Ok(())
 }
 
@@ -719,8 +736,20 @@ pub fn kv_store_bshd<T: Element, C: Element>(
 ) -> Result<()> {
     let token = IsaToken::new(exec.isa)?;
     let plan = validate_kv_store_bshd(args, kv)?;
-    store(token, exec, args.values, args.which, kv, &plan);
+    store_planned(token, exec, args.values, args.which, kv, &plan);
     Ok(())
+}
+
+fn store_planned<T: Element, C: Element>(
+    token: IsaToken,
+    exec: Exec,
+    values: &[T],
+    which: KvSel,
+    kv: &mut KvWrite<'_, C>,
+    plan: &SlotPlan,
+) {
+    let bases = slot_bases(plan, &kv.cache.shape(), kv.layer_idx, 0);
+    store(token, exec, values, which, kv, &Bases(&bases));
 }
 
 fn store<T: Element, C: Element>(
@@ -729,10 +758,9 @@ fn store<T: Element, C: Element>(
     values: &[T],
     which: KvSel,
     kv: &mut KvWrite<'_, C>,
-    plan: &SlotPlan,
+    slots: &impl RowSlots,
 ) {
     let shape = kv.cache.shape();
     let v_offset = shape.index(0, which as usize, 0, 0, 0, 0);
-    let bases = slot_bases(plan, &shape, kv.layer_idx, v_offset);
-    store_rows(token, exec.parallel(), values, kv.cache.data_mut(), &bases, shape.kv_width());
+    store_rows(token, exec.parallel(), values, kv.cache.data_mut(), slots, (v_offset, shape.kv_width()));
 }

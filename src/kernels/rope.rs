@@ -9,7 +9,7 @@
 #![allow(unsafe_code)] // `SharedMut::slice_mut` per row, under the slot plan's disjointness
 
 use super::scatter::SharedMut;
-use crate::cache::{CacheShape, SlotPlan};
+use crate::cache::{CacheShape, RaggedSlots, SeqCursor, SlotPlan};
 use crate::element::Element;
 use crate::ops::RopeMath;
 use crate::pool::Pooled;
@@ -71,6 +71,105 @@ impl<F: Element> RopeSpec<'_, F> {
     }
 }
 
+/// Where the rows of a validated call go: each row's K slot (its first element in the cache) and
+/// its freqs row, or `None` for a row left untouched (padding, no slot). Rows are asked in
+/// increasing order through a cursor per share.
+pub(crate) trait RowSlots: Sync {
+    /// A share's place among the rows.
+    type Cursor;
+    /// Whether row `r` has a slot (and a position): what the shares balance.
+    fn active(&self, r: usize) -> bool;
+    /// A cursor for a share from row `first` on.
+    fn cursor(&self, first: usize) -> Self::Cursor;
+    /// Row `r`'s slot and freqs row (rows asked in increasing order, from the cursor's first).
+    fn get(&self, cursor: &mut Self::Cursor, r: usize) -> Option<(usize, usize)>;
+    /// A run from row `r`: its slot, freqs row and length `n` (`1 ≤ n ≤ max`), the rows
+    /// `r + i` (`i < n`) having slot `slot + i · stride()` and freqs row `freqs row + i`. As
+    /// [`get`](Self::get) otherwise (rows asked in increasing order; `None`: row `r` has none).
+    #[inline(always)]
+    fn run(&self, cursor: &mut Self::Cursor, r: usize, max: usize) -> Option<(usize, usize, usize)> {
+        let _ = max;
+        self.get(cursor, r).map(|(slot, p)| (slot, p, 1))
+    }
+    /// The distance between the slots of a run's consecutive rows.
+    fn stride(&self) -> usize {
+        0
+    }
+}
+
+/// A slot plan's rows: bases and positions listed per row.
+pub(crate) struct Planned<'a> {
+    pub bases: &'a [Option<usize>],
+    pub positions: &'a [Option<usize>],
+}
+
+impl RowSlots for Planned<'_> {
+    type Cursor = ();
+    #[inline]
+    fn active(&self, r: usize) -> bool {
+        self.bases[r].is_some() && self.positions[r].is_some()
+    }
+    fn cursor(&self, _: usize) {}
+    #[inline]
+    fn get(&self, _: &mut (), r: usize) -> Option<(usize, usize)> {
+        Some((self.bases[r]?, self.positions[r]?))
+    }
+}
+
+/// A ragged batch whose every row has a slot, found per sequence ([`RaggedSlots`]), and its
+/// position ids (else each row's cache position is its freqs row).
+pub(crate) struct Ragged<'a> {
+    pub slots: RaggedSlots<'a>,
+    pub ids: Option<&'a [u32]>,
+}
+
+impl RowSlots for Ragged<'_> {
+    type Cursor = SeqCursor;
+    #[inline]
+    fn active(&self, _: usize) -> bool {
+        true
+    }
+    fn cursor(&self, first: usize) -> SeqCursor {
+        self.slots.cursor(first)
+    }
+    // Always: left out of line, the call and its register saves were ~4 % of a 512-row
+    // Qwen-shaped bf16 call (AMD Zen 5, `perf`).
+    #[inline(always)]
+    fn get(&self, cursor: &mut SeqCursor, r: usize) -> Option<(usize, usize)> {
+        let (base, pos) = self.slots.slot(cursor, r);
+        Some((base, self.ids.map_or(pos, |ids| ids[r] as usize)))
+    }
+    /// Without position ids, a run is the rest of row `r`'s sequence within its page (the
+    /// positions and slots consecutive); with them, one row.
+    #[inline(always)]
+    fn run(&self, cursor: &mut SeqCursor, r: usize, max: usize) -> Option<(usize, usize, usize)> {
+        if self.ids.is_some() {
+            return self.get(cursor, r).map(|(slot, p)| (slot, p, 1));
+        }
+        let (base, pos, n) = self.slots.run(cursor, r);
+        Some((base, pos, n.min(max)))
+    }
+    fn stride(&self) -> usize {
+        self.slots.stride()
+    }
+}
+
+/// A KV store's rows: bases listed per row (the position is not used).
+pub(crate) struct Bases<'a>(pub &'a [Option<usize>]);
+
+impl RowSlots for Bases<'_> {
+    type Cursor = ();
+    #[inline]
+    fn active(&self, r: usize) -> bool {
+        self.0[r].is_some()
+    }
+    fn cursor(&self, _: usize) {}
+    #[inline]
+    fn get(&self, _: &mut (), r: usize) -> Option<(usize, usize)> {
+        Some((self.0[r]?, 0))
+    }
+}
+
 /// A task's reusable f32 buffers (its thread's pool).
 type Bufs = (Pooled<f32>, Pooled<f32>);
 
@@ -79,10 +178,10 @@ type Bufs = (Pooled<f32>, Pooled<f32>);
 /// into shares of a row or two, whose joins would cost more than their rows).
 const PAR_ROWS: usize = 8;
 
-/// Runs `job(row, buffers, output row)` for every row (`output` in rows of `width`) whose
-/// `active(row)` holds. When `parallel`, with enough rows and more than one thread, the rows are
-/// cut into one contiguous share per thread of the current rayon pool (at most one per
-/// `PAR_ROWS / 2` rows), each holding as many active rows as the others (an inactive row, a
+/// Runs `job(row, (slot, freqs row), buffers, output row)` for every row (`output` in rows of
+/// `width`) that `slots` gives a slot. When `parallel`, with enough rows and more than one thread,
+/// the rows are cut into one contiguous share per thread of the current rayon pool (at most one
+/// per `PAR_ROWS / 2` rows), each holding as many active rows as the others (an inactive row, a
 /// padded or unslotted one, costs next to nothing), and the shares run through a tree of
 /// `rayon::join`; each share's buffers come from its thread's pool.
 ///
@@ -94,29 +193,44 @@ const PAR_ROWS: usize = 8;
 /// Llama-3-8B bf16 64 tokens 0.46–0.48 → 0.49–0.54, Qwen2.5-0.5B f32 64 tokens 0.32–0.42 → 0.55
 /// and 512 tokens 0.74–0.75 → 0.79; no case slower beyond the run-to-run spread. A plain
 /// `par_chunks_mut` of one share per thread read 0.37–0.52 / 0.45–0.51 / 0.74–0.78 (README).
-fn for_rows<T: Send>(
+///
+/// `RUNS`: `job(first row, (slot, freqs row, n), buffers, n output rows)` for runs of `n` rows
+/// ([`RowSlots::run`]) instead of one row at a time (`n` = 1).
+fn for_rows<T: Send, S: RowSlots, const RUNS: bool>(
     parallel: bool,
     output: &mut [T],
     width: usize,
-    active: impl Fn(usize) -> bool + Sync,
-    job: impl Fn(usize, &mut Bufs, &mut [T]) + Sync,
+    slots: &S,
+    job: impl Fn(usize, (usize, usize, usize), &mut Bufs, &mut [T]) + Sync,
 ) {
     let rows = output.len() / width;
     let threads =
         if parallel && rows >= PAR_ROWS { rayon::current_num_threads().min(rows / (PAR_ROWS / 2)) } else { 1 };
     let share = |first: usize, out: &mut [T]| {
         let mut bufs = (Pooled::new(), Pooled::new());
-        for (i, o) in out.chunks_mut(width).enumerate() {
-            if active(first + i) {
-                job(first + i, &mut bufs, o);
+        let mut cursor = slots.cursor(first);
+        let rows = out.len() / width;
+        let mut i = 0;
+        while i < rows {
+            let at = if RUNS {
+                slots.run(&mut cursor, first + i, rows - i)
+            } else {
+                slots.get(&mut cursor, first + i).map(|(slot, p)| (slot, p, 1))
+            };
+            let n = at.map_or(1, |a| a.2);
+            if let Some(at) = at {
+                job(first + i, at, &mut bufs, &mut out[i * width..(i + n) * width]);
             }
+            i += n;
         }
     };
     if threads <= 1 {
-        share(0, output);
+        if rows > 0 {
+            share(0, output);
+        }
         return;
     }
-    shares(&share, &active, 0, output, width, threads);
+    shares(&share, &|r| slots.active(r), 0, output, width, threads);
 }
 
 /// Splits rows `first ..` (`output`, rows of `width`) into `threads` contiguous shares of equal
@@ -131,6 +245,9 @@ fn shares<T: Send>(
     threads: usize,
 ) {
     let rows = output.len() / width;
+    if rows == 0 {
+        return;
+    }
     if threads <= 1 || rows < 2 {
         share(first, output);
         return;
@@ -158,25 +275,29 @@ fn cut(active: impl Fn(usize) -> bool, first: usize, rows: usize, left: usize, t
     cut
 }
 
-/// Runs `job(row, position, buffers, output row, K slot)` for every row (`output` in rows of
-/// `qw`) that has a slot (`bases`) and a position (`positions`), its slot's `kw` values in
-/// `cache`, through [`for_rows`].
-fn slot_rows<T: Send, C: Send>(
+/// Runs `job(row, freqs row, buffers, output row, K slot)` for every row (`output` in rows of
+/// `qw`) that has a slot and a position (`slots`), its slot's `kw` values in `cache`, through
+/// [`for_rows`]; with `RUNS`, `job(first row, freqs row, n, n output rows, their K slots)` for
+/// runs of `n` rows whose slots lie `kw` apart (contiguous) and freqs rows are consecutive.
+fn slot_rows<T: Send, C: Send, const RUNS: bool>(
     parallel: bool,
     output: &mut [T],
     (qw, kw): (usize, usize),
     cache: &SharedMut<'_, C>,
-    (bases, positions): (&[Option<usize>], &[Option<usize>]),
-    job: impl Fn(usize, usize, &mut Bufs, &mut [T], &mut [C]) + Sync,
+    slots: &impl RowSlots,
+    job: impl Fn(usize, usize, usize, &mut Bufs, &mut [T], &mut [C]) + Sync,
 ) {
-    let active = |r: usize| bases[r].is_some() && positions[r].is_some();
-    for_rows(parallel, output, qw, active, |r, bufs, o| {
-        let (Some(base), Some(p)) = (bases[r], positions[r]) else { return };
-        // SAFETY: the validated slot plan gives every row its own slot, so the ranges
-        // `base .. base + kw` of distinct rows are disjoint (a slot holds the row's kw K values),
-        // and each row is visited by one task; nothing else touches `cache` during the call.
-        let k = unsafe { cache.slice_mut(base, kw) };
-        job(r, p, bufs, o, k)
+    // A run's slots must be the contiguous `n · kw` values that `slice_mut` hands out below.
+    assert!(!RUNS || slots.stride() == kw, "runs of slots {} apart, {kw} values each", slots.stride());
+    for_rows::<T, _, RUNS>(parallel, output, qw, slots, |r, (base, p, n), bufs, o| {
+        // SAFETY: every `RowSlots` gives distinct rows disjoint slots (a slot plan checked every
+        // slot, or no two written pages share a block; `RaggedSlots`), so the ranges
+        // `base .. base + kw` of distinct rows are disjoint (a slot holds the row's kw K values);
+        // a run's n rows have the n contiguous slots `base + i · kw` (asserted stride), which
+        // `base .. base + n · kw` covers exactly. Each row is visited by one task, in one run;
+        // nothing else touches `cache` during the call.
+        let k = unsafe { cache.slice_mut(base, n * kw) };
+        job(r, p, n, bufs, o, k)
     });
 }
 
@@ -190,13 +311,12 @@ pub(crate) fn rope_rows<T: Element, F: Element, C: Element>(
     q_proj: &[T],
     output: &mut [T],
     cache: &mut [C],
-    bases: &[Option<usize>],
-    positions: &[Option<usize>],
+    slots: &impl RowSlots,
 ) {
     let (hq, dq) = spec.q_heads;
     let (hk, dk) = spec.k_heads;
     let (qw, kw) = (hq * dq, hk * dk);
-    assert!(qw > 0 && output.len() == bases.len() * qw && positions.len() == bases.len());
+    assert!(qw > 0 && output.len() == q_proj.len());
     let cache = SharedMut::new(cache);
     let rd = spec.rope_dim;
     // The path is decided once for the call rather than per token: the token kernel where it
@@ -207,62 +327,88 @@ pub(crate) fn rope_rows<T: Element, F: Element, C: Element>(
     // (Qwen-shaped bf16 tokens on one Zen 5 core, 512: 26.4–26.9 → 27.9 µs; 64: 3.11–3.17 →
     // 3.31–3.35 µs).
     let (i, r) = (spec.interleaved, spec.round());
+    // The token kernels take runs of rows (where the slots give them: consecutive tokens of one
+    // sequence in one page), the others one row at a time.
+    let runs = slots.stride() == kw;
     if let Some(t) = TokenFn::<T, C, F>::new(token, i, r, rd, spec.q_heads, spec.k_heads) {
-        slot_rows(parallel, output, (qw, kw), &cache, (bases, positions), |r, p, _, o, k| {
-            t.run(&spec.freqs[p * rd..(p + 1) * rd], &q_proj[r * qw..(r + 1) * qw], o, k)
-        });
+        let job = |r, p, n, _: &mut Bufs, o: &mut [T], k: &mut [C]| {
+            t.run(&spec.freqs[p * rd..(p + n) * rd], &q_proj[r * qw..(r + n) * qw], o, k, n, kw)
+        };
+        match runs {
+            true => slot_rows::<T, C, true>(parallel, output, (qw, kw), &cache, slots, job),
+            false => slot_rows::<T, C, false>(parallel, output, (qw, kw), &cache, slots, job),
+        }
         return;
     }
     match HalfRows::<T, C>::new(token, i, r, rd, spec.q_heads, spec.k_heads) {
-        Some(h) => slot_rows(parallel, output, (qw, kw), &cache, (bases, positions), |r, p, bufs, o, k| {
+        Some(h) => slot_rows::<T, C, false>(parallel, output, (qw, kw), &cache, slots, |r, p, _, bufs, o, k| {
             bufs.0.resize(h.buf_len(), 0.0);
             h.row(&spec.freqs[p * rd..(p + 1) * rd], &q_proj[r * qw..(r + 1) * qw], o, k, &mut bufs.0);
         }),
-        None => slot_rows(parallel, output, (qw, kw), &cache, (bases, positions), |r, p, bufs, o, k| {
+        None => slot_rows::<T, C, false>(parallel, output, (qw, kw), &cache, slots, |r, p, _, bufs, o, k| {
             spec.row(token, p, &q_proj[r * qw..(r + 1) * qw], o, k, bufs)
         }),
     }
 }
 
-/// Runs a validated KV store: every row with a slot writes its `width` values, rounded once to
-/// the cache dtype.
+/// Runs a validated KV store: every row with a slot (`slots`) writes its `width` values, from
+/// `offset` past the slot's first element (the V part, or 0), rounded once to the cache dtype.
 pub(crate) fn store_rows<T: Element, C: Element>(
     token: IsaToken,
     parallel: bool,
     values: &[T],
     cache: &mut [C],
-    bases: &[Option<usize>],
-    width: usize,
+    slots: &impl RowSlots,
+    (offset, width): (usize, usize),
 ) {
     if width == 0 {
         return;
     }
-    assert_eq!(values.len(), bases.len() * width);
     let cache = SharedMut::new(cache);
     // The rows of `values` are read-only: `for_rows` walks a slice of units, one per row (a
     // `Vec<()>` never allocates).
-    let mut rows = vec![(); bases.len()];
-    for_rows(
-        parallel,
-        &mut rows,
-        1,
-        |r| bases[r].is_some(),
-        |r, bufs, _| {
-            let Some(base) = bases[r] else { return };
-            // SAFETY: as in `rope_rows`: distinct rows have distinct slots, `width` values each.
-            let dst = unsafe { cache.slice_mut(base, width) };
-            // Through f32 also for equal types: the oracle's `C::from_f32(v.to_f32())`, NaNs included.
-            bufs.0.resize(width, 0.0);
-            widen(token, &values[r * width..(r + 1) * width], &mut bufs.0);
-            narrow(token, &bufs.0, dst);
-        },
-    );
+    let mut rows = vec![(); values.len() / width];
+    for_rows::<_, _, false>(parallel, &mut rows, 1, slots, |r, (base, _, _), bufs, _| {
+        // SAFETY: as in `slot_rows`: distinct rows have disjoint slots, each holding its K and V
+        // parts of `width` values (`offset` is 0 or the width of the K part).
+        let dst = unsafe { cache.slice_mut(base + offset, width) };
+        // Through f32 also for equal types: the oracle's `C::from_f32(v.to_f32())`, NaNs included.
+        bufs.0.resize(width, 0.0);
+        widen(token, &values[r * width..(r + 1) * width], &mut bufs.0);
+        narrow(token, &bufs.0, dst);
+    });
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{PAR_ROWS, cut, for_rows};
+    use super::{PAR_ROWS, RowSlots, cut, for_rows};
     use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+
+    /// Rows active by [`pattern`], each with slot and position `r`.
+    struct Pattern(usize, usize);
+
+    impl RowSlots for Pattern {
+        type Cursor = usize;
+        fn active(&self, r: usize) -> bool {
+            pattern(self.0, r, self.1)
+        }
+        fn cursor(&self, first: usize) -> usize {
+            first
+        }
+        /// Checks that the rows come in order, from the cursor's first row.
+        fn get(&self, next: &mut usize, r: usize) -> Option<(usize, usize)> {
+            assert_eq!(r, *next, "rows out of order");
+            *next += 1;
+            self.active(r).then_some((r, r))
+        }
+        /// Runs of up to 3 active rows (cut by `max`).
+        fn run(&self, next: &mut usize, r: usize, max: usize) -> Option<(usize, usize, usize)> {
+            assert!(r == *next && max >= 1, "rows out of order");
+            let n = (r..r + max.min(3)).take_while(|&r| self.active(r)).count();
+            *next += n.max(1);
+            (n > 0).then_some((r, r, n))
+        }
+    }
 
     /// Which rows of `rows` are active, by pattern.
     fn pattern(p: usize, r: usize, rows: usize) -> bool {
@@ -278,30 +424,39 @@ mod tests {
 
     /// Every active row runs exactly once, with its own output row, and no inactive row runs,
     /// whatever the thread count (more threads than rows included) and where the active rows lie.
+    /// With runs (`RUNS`), the same, each run's rows handed out together.
     #[test]
     fn for_rows_runs_each_active_row_once() {
-        for threads in [1, 2, 3, 8] {
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-            for rows in [0, 1, PAR_ROWS - 1, PAR_ROWS, PAR_ROWS + 1, 64, 65] {
-                for p in 0..6 {
-                    let hits: Vec<AtomicUsize> = (0..rows).map(|_| AtomicUsize::new(0)).collect();
-                    let mut out = vec![usize::MAX; 3 * rows];
-                    let active = |r: usize| pattern(p, r, rows);
-                    pool.install(|| {
-                        for_rows(true, &mut out, 3, active, |r, _, o| {
-                            hits[r].fetch_add(1, Relaxed);
-                            o.fill(r);
-                        })
-                    });
-                    for r in 0..rows {
-                        let (want, got) = (usize::from(active(r)), hits[r].load(Relaxed));
-                        assert_eq!(got, want, "{threads} threads, {rows} rows, pattern {p}: row {r}");
-                        let row = if active(r) { r } else { usize::MAX };
-                        assert_eq!(out[3 * r..3 * r + 3], [row; 3], "{threads} threads, {rows} rows, pattern {p}");
+        fn check<const RUNS: bool>() {
+            for threads in [1, 2, 3, 8] {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                for rows in [0, 1, PAR_ROWS - 1, PAR_ROWS, PAR_ROWS + 1, 64, 65] {
+                    for p in 0..6 {
+                        let hits: Vec<AtomicUsize> = (0..rows).map(|_| AtomicUsize::new(0)).collect();
+                        let mut out = vec![usize::MAX; 3 * rows];
+                        let active = |r: usize| pattern(p, r, rows);
+                        pool.install(|| {
+                            for_rows::<_, _, RUNS>(true, &mut out, 3, &Pattern(p, rows), |r, (s, q, n), _, o| {
+                                assert!((s, q) == (r, r) && o.len() == 3 * n && (RUNS || n == 1));
+                                for (i, o) in o.chunks_mut(3).enumerate() {
+                                    hits[r + i].fetch_add(1, Relaxed);
+                                    o.fill(r + i);
+                                }
+                            })
+                        });
+                        for r in 0..rows {
+                            let (want, got) = (usize::from(active(r)), hits[r].load(Relaxed));
+                            let at = format!("{threads} threads, {rows} rows, pattern {p}, runs {RUNS}");
+                            assert_eq!(got, want, "{at}: row {r}");
+                            let row = if active(r) { r } else { usize::MAX };
+                            assert_eq!(out[3 * r..3 * r + 3], [row; 3], "{at}");
+                        }
                     }
                 }
             }
         }
+        check::<false>();
+        check::<true>();
     }
 
     /// The left part of a cut holds its share of the active rows, however they lie.

@@ -4,7 +4,7 @@
 //! all of its arguments (shapes, offsets, page table, capacity, slot conflicts) before it writes
 //! anything, so an error leaves the output and the cache unchanged.
 
-use crate::cache::{CacheShape, KvSel, KvWrite, PageTable, SlotPlan};
+use crate::cache::{CacheShape, KvSel, KvWrite, PageTable, RaggedSlots, SlotPlan};
 use crate::element::Element;
 use crate::error::{Error, Expected, Result, checked_len};
 use crate::formats::{BlockFormat, QuantizedRef};
@@ -312,6 +312,22 @@ pub(crate) fn validate_rope_ragged<T: Element, F: Element, C: Element>(
     output_len: usize,
     kv: &KvWrite<'_, C>,
 ) -> Result<(SlotPlan, Positions)> {
+    let freq_rows = check_rope_ragged(args, output_len, kv)?;
+    let m = args.input_row_offsets.last().map_or(0, |&x| x as usize);
+    let rows = ragged_rows(args.input_row_offsets, m)?;
+    let positions = ragged_positions(&rows, args.position_ids, kv.page_table.cache_lengths(), freq_rows)?;
+    let writes: Pooled<_> = rows.iter().map(|&(b, t)| (b, t, true)).collect();
+    let plan = SlotPlan::build(&kv.page_table, &kv.cache.shape(), kv.layer_idx, &writes)?;
+    Ok((plan, positions))
+}
+
+/// [`validate_rope_ragged`]'s checks before its rows' (its arguments' shapes, `input_row_offsets`,
+/// the table's batch, the freqs' dtype and width), in its order; returns the freqs' rows.
+fn check_rope_ragged<T: Element, F: Element, C: Element>(
+    args: &RopeRaggedArgs<'_, T, F>,
+    output_len: usize,
+    kv: &KvWrite<'_, C>,
+) -> Result<usize> {
     let shape = kv.cache.shape();
     let (hq, dq, dk, rd) = (args.num_q_heads, args.q_head_size, shape.head_size(), args.rope_dim);
     if hq == 0 {
@@ -321,16 +337,45 @@ pub(crate) fn validate_rope_ragged<T: Element, F: Element, C: Element>(
     let m = args.input_row_offsets.last().map_or(0, |&x| x as usize);
     check_tensor("q_proj", args.q_proj.len(), &[m, hq, dq])?;
     check_tensor("output", output_len, &[m, hq, dq])?;
-    let rows = ragged_rows(args.input_row_offsets, m)?;
+    check_offsets(args.input_row_offsets, m)?;
     check_table_batch(&kv.page_table, args.input_row_offsets.len() - 1)?;
     if F::DTYPE == crate::DType::F8E4M3 {
         return Err(Error::Unsupported { what: "E4M3 freqs_cis (use f32, bf16 or f16)".into() });
     }
-    let freq_rows = freqs_rows(args.freqs_cis, rd)?;
-    let positions = ragged_positions(&rows, args.position_ids, kv.page_table.cache_lengths(), freq_rows)?;
-    let writes: Pooled<_> = rows.iter().map(|&(b, t)| (b, t, true)).collect();
-    let plan = SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)?;
-    Ok((plan, positions))
+    freqs_rows(args.freqs_cis, rd)
+}
+
+/// The fast path's validation of a ragged RoPE call, without a pass over its rows where none is
+/// needed: the slots found per sequence ([`RaggedSlots`]), where [`validate_rope_ragged`] would
+/// succeed and its slot plan would hold no two written pages in one block; else `None`, and the
+/// caller runs [`validate_rope_ragged`] (which then finds the error, or checks every slot).
+///
+/// Every row's freqs row is then below the freqs' rows: `position_ids[r]` (checked here, one
+/// comparison per row) or its cache position `cache_lengths[b] + t` (checked here per sequence,
+/// at its last token).
+pub(crate) fn rope_ragged_slots<'a, T: Element, F: Element, C: Element>(
+    args: &RopeRaggedArgs<'a, T, F>,
+    output_len: usize,
+    kv: &KvWrite<'a, C>,
+) -> Option<RaggedSlots<'a>> {
+    let freq_rows = check_rope_ragged(args, output_len, kv).ok()? as u64;
+    let offsets = args.input_row_offsets;
+    match args.position_ids {
+        Some(ids) => {
+            let fits = ids.len() == offsets[offsets.len() - 1] as usize;
+            if !fits || ids.iter().any(|&p| p as u64 >= freq_rows) {
+                return None;
+            }
+        }
+        None => {
+            let table = &kv.page_table;
+            let last = |(b, w): (usize, &[u32])| table.cache_length(b) as u64 + (w[1] - w[0]) as u64 - 1;
+            if offsets.windows(2).enumerate().any(|(b, w)| w[1] > w[0] && last((b, w)) >= freq_rows) {
+                return None;
+            }
+        }
+    }
+    RaggedSlots::new(kv.page_table, &kv.cache.shape(), kv.layer_idx, offsets)
 }
 
 /// The freqs row of every row of a ragged batch: `position_ids[i]`, or `cache_lengths[b] + t`
@@ -449,6 +494,25 @@ pub(crate) fn validate_kv_store_ragged<T: Element, C: Element>(
     validate_kv_store(args.which, args.values.len(), &dims, rows, args.input_row_offsets.len().max(1) - 1, kv)
 }
 
+/// The fast path's validation of a ragged KV store, without a pass over its rows where none is
+/// needed (as [`rope_ragged_slots`]): the slots found per sequence where
+/// [`validate_kv_store_ragged`] would succeed with no two written pages in one block, else `None`.
+pub(crate) fn kv_store_ragged_slots<'a, T: Element, C: Element>(
+    args: &KvStoreRaggedArgs<'a, T>,
+    kv: &KvWrite<'a, C>,
+) -> Option<RaggedSlots<'a>> {
+    let shape = kv.cache.shape();
+    let offsets = args.input_row_offsets;
+    let m = offsets.last().map_or(0, |&x| x as usize);
+    if args.which == KvSel::V && shape.is_mla() {
+        return None;
+    }
+    check_tensor("values", args.values.len(), &[m, shape.num_kv_heads(), shape.head_size()]).ok()?;
+    check_offsets(offsets, m).ok()?;
+    check_table_batch(&kv.page_table, offsets.len() - 1).ok()?;
+    RaggedSlots::new(kv.page_table, &shape, kv.layer_idx, offsets)
+}
+
 /// Validates [`kv_store_bshd`](crate::reference::kv_store_bshd)'s arguments.
 pub(crate) fn validate_kv_store_bshd<T: Element, C: Element>(
     args: &KvStoreBshdArgs<'_, T>,
@@ -464,6 +528,17 @@ pub(crate) fn validate_kv_store_bshd<T: Element, C: Element>(
 /// `(batch, t)` of every row of a ragged batch, after checking `input_row_offsets`: at least one
 /// entry, starting at 0, non-decreasing, ending at `m`.
 pub(crate) fn ragged_rows(offsets: &[u32], m: usize) -> Result<Pooled<(usize, usize)>> {
+    check_offsets(offsets, m)?;
+    let mut rows = Pooled::new();
+    rows.reserve(m);
+    for (b, w) in offsets.windows(2).enumerate() {
+        rows.extend((0..(w[1] - w[0]) as usize).map(|t| (b, t)));
+    }
+    Ok(rows)
+}
+
+/// Checks `input_row_offsets`: at least one entry, starting at 0, non-decreasing, ending at `m`.
+fn check_offsets(offsets: &[u32], m: usize) -> Result<()> {
     let Some(&first) = offsets.first() else {
         return Err(Error::Shape { arg: "input_row_offsets", expected: Expected::AtLeast(1), found: 0 });
     };
@@ -482,12 +557,7 @@ pub(crate) fn ragged_rows(offsets: &[u32], m: usize) -> Result<Pooled<(usize, us
             reason: format!("must equal the row count {m}, found {last}"),
         });
     }
-    let mut rows = Pooled::new();
-    rows.reserve(m);
-    for (b, w) in offsets.windows(2).enumerate() {
-        rows.extend((0..(w[1] - w[0]) as usize).map(|t| (b, t)));
-    }
-    Ok(rows)
+    Ok(())
 }
 
 /// Checks `valid_lengths` (`[batch]`, each ≤ `seq_len`).

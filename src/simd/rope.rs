@@ -590,8 +590,9 @@ impl<T: Element, C: Element> HalfRows<T, C> {
     }
 }
 
-/// The token kernels' signature (`token_avx512`, `token_avx2`: `freqs, q, out, hq, k, hk`).
-type TokenKernel = unsafe fn(*const u8, *const u8, *mut u8, usize, *mut u8, usize);
+/// The token kernels' signature (`token_avx512`, `token_avx2`: `freqs, q, out, hq, k, hk,
+/// tokens, k_stride`).
+type TokenKernel = unsafe fn(*const u8, *const u8, *mut u8, usize, *mut u8, usize, usize, usize);
 
 /// A token kernel chosen by [`TokenFn::new`] for Q heads of `T`, cache heads of `C` and
 /// freqs of `F`: only `new` makes one, after checking that the kernel's ISA is available
@@ -678,18 +679,27 @@ impl<T: Element, C: Element, F: Element> TokenFn<T, C, F> {
         }
     }
 
-    /// One token, as [`HalfRows::row`]: the freqs row `freqs`, its Q heads from `q` into `out`
-    /// and its K heads in place in `k`.
+    /// A run of `tokens` consecutive tokens, each as [`HalfRows::row`]: token `t` takes the
+    /// freqs row `t` of `freqs`, its Q heads from row `t` of `q` into row `t` of `out`, and its
+    /// K heads in place from element `t · k_stride` of `k`. A run pays the call and the
+    /// kernel's setup once (measured: see README, "RoPE runs").
     #[inline]
-    pub fn run(&self, freqs: &[F], q: &[T], out: &mut [T], k: &mut [C]) {
-        let rd = self.rd;
-        assert!(freqs.len() == rd && q.len() >= self.hq * rd && out.len() >= self.hq * rd && k.len() >= self.hk * rd);
+    pub fn run(&self, freqs: &[F], q: &[T], out: &mut [T], k: &mut [C], tokens: usize, k_stride: usize) {
+        let (rd, qw, kw) = (self.rd, self.hq * self.rd, self.hk * self.rd);
+        assert!(
+            freqs.len() == tokens * rd
+                && q.len() >= tokens * qw
+                && out.len() >= tokens * qw
+                && k_stride >= kw
+                && (tokens == 0 || k.len() >= (tokens - 1) * k_stride + kw)
+        );
         // SAFETY: `new` made `f` only where the token proves the kernel's ISA (AVX2, FMA and
         // F16C for `token_avx2`; AVX-512 F and BW for the others, and BF16 for the `CVT`
-        // kernels, which it picks only for `Avx512Bf16`) and the kernel
-        // takes F (freqs, rd = 64 N elements, asserted), T (q and out: hq · 64 N each, asserted;
-        // distinct borrows) and C (k: hk · 64 N, asserted, rotated in place), the kinds being
-        // these types' (the struct's type parameters).
+        // kernels, which it picks only for `Avx512Bf16`) and the kernel takes F (freqs: a row of
+        // rd = 64 N elements per token, asserted), T (q and out: hq · 64 N per token, asserted;
+        // distinct borrows) and C (k: hk · 64 N from `t · k_stride` per token, asserted, rotated
+        // in place, `k_stride ≥ hk · 64 N`), the kinds being these types' (the struct's type
+        // parameters).
         unsafe {
             (self.f)(
                 freqs.as_ptr().cast(),
@@ -698,6 +708,8 @@ impl<T: Element, C: Element, F: Element> TokenFn<T, C, F> {
                 self.hq,
                 k.as_mut_ptr().cast(),
                 self.hk,
+                tokens,
+                k_stride,
             )
         }
     }

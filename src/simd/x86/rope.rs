@@ -687,11 +687,17 @@ unsafe fn heads_half_regs<const K: u8, const N: usize, const CVT: bool>(
 /// [`RopeRow::fill`] followed by [`heads_avx512`], interleaved, `F32`). `CVT`: bf16 heads stored
 /// by [`join_bf16_cvt`] (the same bits as [`join_bf16`]).
 ///
+/// `tokens` consecutive tokens in one call (a run: consecutive freqs rows, Q and output rows,
+/// and K slots `k_stride` elements apart), so that a run pays the call, the per-row bookkeeping
+/// and the kernel's setup once (see `crate::simd::rope::TokenFn::run`).
+///
 /// # Safety
-/// AVX-512 F and BW (and BF16 when `CVT`) must be available; `freqs` holds `64 N` elements of
-/// kind `KF`; `q` and `out` hold `hq · 64 N` elements of kind `KQ` and do not overlap; `k` holds
-/// `hk · 64 N` of kind `KK`.
+/// AVX-512 F and BW (and BF16 when `CVT`) must be available; for each token `t < tokens`:
+/// `freqs` holds `64 N` elements of kind `KF` from element `64 N t`; `q` and `out` hold
+/// `hq · 64 N` elements of kind `KQ` from element `hq · 64 N · t` and do not overlap; `k` holds
+/// `hk · 64 N` of kind `KK` from element `k_stride · t`, and `k_stride ≥ hk · 64 N`.
 #[target_feature(enable = "avx512f,avx512bw")]
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn token_avx512<
     const KQ: u8,
     const KK: u8,
@@ -706,17 +712,25 @@ pub(crate) unsafe fn token_avx512<
     hq: usize,
     k: *mut u8,
     hk: usize,
+    tokens: usize,
+    k_stride: usize,
 ) {
-    let fsize = if KF == F32 { 4 } else { 2 };
-    // SAFETY: chunk b's 64 freqs lie at 64 b (b < N) of the 64 N; the heads as the contract says.
-    unsafe {
-        let forms: [ChunkForms; N] = std::array::from_fn(|b| chunk_forms::<KF>(freqs.add(64 * b * fsize)));
-        if INTER {
-            heads_inter_regs::<KQ, N, CVT>(q, out, hq, &forms);
-            heads_inter_regs::<KK, N, CVT>(k, k, hk, &forms);
-        } else {
-            heads_half_regs::<KQ, N, CVT>(q, out, hq, &forms);
-            heads_half_regs::<KK, N, CVT>(k, k, hk, &forms);
+    let size = |kind: u8| if kind == F32 { 4 } else { 2 };
+    let (fsize, qrow, krow) = (size(KF), hq * 64 * N * size(KQ), k_stride * size(KK));
+    for t in 0..tokens {
+        // SAFETY: token t's freqs, Q, output and K rows as the contract says (chunk b's 64 freqs
+        // at 64 b of the row's 64 N, b < N).
+        unsafe {
+            let (freqs, q, out, k) =
+                (freqs.add(t * 64 * N * fsize), q.add(t * qrow), out.add(t * qrow), k.add(t * krow));
+            let forms: [ChunkForms; N] = std::array::from_fn(|b| chunk_forms::<KF>(freqs.add(64 * b * fsize)));
+            if INTER {
+                heads_inter_regs::<KQ, N, CVT>(q, out, hq, &forms);
+                heads_inter_regs::<KK, N, CVT>(k, k, hk, &forms);
+            } else {
+                heads_half_regs::<KQ, N, CVT>(q, out, hq, &forms);
+                heads_half_regs::<KK, N, CVT>(k, k, hk, &forms);
+            }
         }
     }
 }
@@ -1212,6 +1226,7 @@ unsafe fn heads_regs_256<const K: u8, const N: usize, const INTER: bool>(
 /// # Safety
 /// AVX2, FMA and F16C must be available; otherwise as [`token_avx512`].
 #[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn token_avx2<const KQ: u8, const KK: u8, const KF: u8, const N: usize, const INTER: bool>(
     freqs: *const u8,
     q: *const u8,
@@ -1219,18 +1234,25 @@ pub(crate) unsafe fn token_avx2<const KQ: u8, const KK: u8, const KF: u8, const 
     hq: usize,
     k: *mut u8,
     hk: usize,
+    tokens: usize,
+    k_stride: usize,
 ) {
-    let fsize = if KF == F32 { 4 } else { 2 };
+    let size = |kind: u8| if kind == F32 { 4 } else { 2 };
+    let (fsize, qrow, krow) = (size(KF), hq * 64 * N * size(KQ), k_stride * size(KK));
     let zero = _mm256_setzero_ps();
     let mut forms = [ChunkForms256 { c: [zero; 4], s: [zero; 4], cd: [zero; 4], sd: [zero; 4], f: [zero; 8] }; N];
-    for (b, f) in forms.iter_mut().enumerate() {
-        // SAFETY: chunk b's 64 freqs lie at 64 b (b < N) of the 64 N.
-        *f = unsafe { chunk_forms_256::<KF>(freqs.add(64 * b * fsize)) };
-    }
-    // SAFETY: the heads as the contract says.
-    unsafe {
-        heads_regs_256::<KQ, N, INTER>(q, out, hq, &forms);
-        heads_regs_256::<KK, N, INTER>(k, k, hk, &forms);
+    for t in 0..tokens {
+        let freqs = freqs.wrapping_add(t * 64 * N * fsize);
+        for (b, f) in forms.iter_mut().enumerate() {
+            // SAFETY: token t's chunk b: its 64 freqs lie at 64 b (b < N) of its row's 64 N.
+            *f = unsafe { chunk_forms_256::<KF>(freqs.add(64 * b * fsize)) };
+        }
+        // SAFETY: token t's heads as the contract says.
+        unsafe {
+            let (q, out, k) = (q.add(t * qrow), out.add(t * qrow), k.add(t * krow));
+            heads_regs_256::<KQ, N, INTER>(q, out, hq, &forms);
+            heads_regs_256::<KK, N, INTER>(k, k, hk, &forms);
+        }
     }
 }
 
