@@ -3,7 +3,7 @@
 
 pub(crate) mod plan;
 
-pub(crate) use plan::{RaggedSlots, SeqCursor, SlotPlan};
+pub(crate) use plan::{SeqCursor, SeqSlots, SlotPlan};
 
 use crate::element::Element;
 use crate::error::{Error, Result, checked_len};

@@ -50,14 +50,14 @@ use crate::formats::QuantizedRef;
 use crate::kernels::epilogue::{Dest, EpiRope, MatrixDest, QkvDest};
 use crate::kernels::operands::{Fp4Operands, PlainOperands};
 use crate::kernels::pack::{Fp4Acts, PlainActs};
-use crate::kernels::rope::{Bases, Planned, Ragged, RopeSpec, RowSlots, rope_rows, slot_bases, store_rows};
+use crate::kernels::rope::{Bases, Planned, RopeSpec, RowSlots, Seqs, rope_rows, slot_bases, store_rows};
 use crate::kernels::schedule::{Panels, run};
 pub use crate::kernels::{PackedPlainWeights, PackedWeights};
 use crate::ops::{
     KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, QkvRope, RopeBshdArgs, RopeMath,
-    RopeRaggedArgs, check_tensor, kv_store_ragged_slots, rope_ragged_slots, validate_fp4, validate_kv_store_bshd,
-    validate_kv_store_ragged, validate_qkv_bshd, validate_qkv_ragged, validate_rope_bshd, validate_rope_ragged,
-    weight_rows,
+    RopeRaggedArgs, check_tensor, kv_store_bshd_slots, kv_store_ragged_slots, rope_bshd_slots, rope_ragged_slots,
+    validate_fp4, validate_kv_store_bshd, validate_kv_store_ragged, validate_qkv_bshd, validate_qkv_ragged,
+    validate_rope_bshd, validate_rope_ragged, weight_rows,
 };
 pub use crate::simd::Isa;
 use crate::simd::IsaToken;
@@ -627,7 +627,6 @@ pub fn rope_bshd<T: Element, C: Element>(
     exec: Exec,
 ) -> Result<()> {
     let token = IsaToken::new(exec.isa)?;
-    let (plan, positions) = validate_rope_bshd(args, output.len(), kv)?;
     let shape = kv.cache.shape();
     let d = shape.head_size();
     let spec = RopeSpec {
@@ -638,9 +637,17 @@ pub fn rope_bshd<T: Element, C: Element>(
         q_heads: (args.num_q_heads, d),
         k_heads: (shape.num_kv_heads(), d),
     };
+    let parallel = exec.parallel();
+    // As in `rope_ragged`: no pass over the rows where none is needed.
+    if let Some(slots) = rope_bshd_slots(args, output.len(), kv) {
+        let slots = Seqs { slots, ids: None };
+        rope_rows(token, parallel, &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
+        return Ok(());
+    }
+    let (plan, positions) = validate_rope_bshd(args, output.len(), kv)?;
     let bases = slot_bases(&plan, &shape, kv.layer_idx, 0);
     let slots = Planned { bases: &bases, positions: &positions };
-    rope_rows(token, exec.parallel(), &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
+    rope_rows(token, parallel, &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
     Ok(())
 }
 
@@ -696,7 +703,7 @@ pub fn rope_ragged<T: Element, F: Element, C: Element>(
     // rows before the kernels: each row finds its slot from its sequence when it is rotated.
     // Otherwise the full validation finds the error, or checks every slot and lists them.
     if let Some(slots) = rope_ragged_slots(args, output.len(), kv) {
-        let slots = Ragged { slots, ids: args.position_ids };
+        let slots = Seqs { slots, ids: args.position_ids };
         rope_rows(token, parallel, &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
         return Ok(());
     }
@@ -718,7 +725,7 @@ pub fn kv_store_ragged<T: Element, C: Element>(
     let token = IsaToken::new(exec.isa)?;
     // As in `rope_ragged`: no pass over the rows where none is needed.
     if let Some(slots) = kv_store_ragged_slots(args, kv) {
-        store(token, exec, args.values, args.which, kv, &Ragged { slots, ids: None });
+        store(token, exec, args.values, args.which, kv, &Seqs { slots, ids: None });
         return Ok(());
     }
     let plan = validate_kv_store_ragged(args, kv)?;
@@ -735,6 +742,10 @@ pub fn kv_store_bshd<T: Element, C: Element>(
     exec: Exec,
 ) -> Result<()> {
     let token = IsaToken::new(exec.isa)?;
+    if let Some(slots) = kv_store_bshd_slots(args, kv) {
+        store(token, exec, args.values, args.which, kv, &Seqs { slots, ids: None });
+        return Ok(());
+    }
     let plan = validate_kv_store_bshd(args, kv)?;
     store_planned(token, exec, args.values, args.which, kv, &plan);
     Ok(())

@@ -9,7 +9,7 @@
 #![allow(unsafe_code)] // `SharedMut::slice_mut` per row, under the slot plan's disjointness
 
 use super::scatter::SharedMut;
-use crate::cache::{CacheShape, RaggedSlots, SeqCursor, SlotPlan};
+use crate::cache::{CacheShape, SeqCursor, SeqSlots, SlotPlan};
 use crate::element::Element;
 use crate::ops::RopeMath;
 use crate::pool::Pooled;
@@ -77,8 +77,10 @@ impl<F: Element> RopeSpec<'_, F> {
 pub(crate) trait RowSlots: Sync {
     /// A share's place among the rows.
     type Cursor;
-    /// Whether row `r` has a slot (and a position): what the shares balance.
-    fn active(&self, r: usize) -> bool;
+    /// The number of rows, from `first` on (of `rows`), that the first `left` of `threads`
+    /// threads take: the fewest rows holding `⌊total · left / threads⌋` of the `total` rows with
+    /// a slot among `first .. first + rows` (what the shares balance).
+    fn cut(&self, first: usize, rows: usize, left: usize, threads: usize) -> usize;
     /// A cursor for a share from row `first` on.
     fn cursor(&self, first: usize) -> Self::Cursor;
     /// Row `r`'s slot and freqs row (rows asked in increasing order, from the cursor's first).
@@ -105,9 +107,8 @@ pub(crate) struct Planned<'a> {
 
 impl RowSlots for Planned<'_> {
     type Cursor = ();
-    #[inline]
-    fn active(&self, r: usize) -> bool {
-        self.bases[r].is_some() && self.positions[r].is_some()
+    fn cut(&self, first: usize, rows: usize, left: usize, threads: usize) -> usize {
+        cut(|r| self.bases[r].is_some() && self.positions[r].is_some(), first, rows, left, threads)
     }
     fn cursor(&self, _: usize) {}
     #[inline]
@@ -116,18 +117,18 @@ impl RowSlots for Planned<'_> {
     }
 }
 
-/// A ragged batch whose every row has a slot, found per sequence ([`RaggedSlots`]), and its
-/// position ids (else each row's cache position is its freqs row).
-pub(crate) struct Ragged<'a> {
-    pub slots: RaggedSlots<'a>,
+/// A batch whose slots are found per sequence ([`SeqSlots`]), and its position ids (else each
+/// row's cache position is its freqs row).
+pub(crate) struct Seqs<'a> {
+    pub slots: SeqSlots<'a>,
     pub ids: Option<&'a [u32]>,
 }
 
-impl RowSlots for Ragged<'_> {
+impl RowSlots for Seqs<'_> {
     type Cursor = SeqCursor;
-    #[inline]
-    fn active(&self, _: usize) -> bool {
-        true
+    fn cut(&self, first: usize, rows: usize, left: usize, threads: usize) -> usize {
+        let want = self.slots.written_in(first, rows) * left / threads;
+        self.slots.rows_holding(first, rows, want)
     }
     fn cursor(&self, first: usize) -> SeqCursor {
         self.slots.cursor(first)
@@ -136,17 +137,17 @@ impl RowSlots for Ragged<'_> {
     // Qwen-shaped bf16 call (AMD Zen 5, `perf`).
     #[inline(always)]
     fn get(&self, cursor: &mut SeqCursor, r: usize) -> Option<(usize, usize)> {
-        let (base, pos) = self.slots.slot(cursor, r);
+        let (base, pos) = self.slots.slot(cursor, r)?;
         Some((base, self.ids.map_or(pos, |ids| ids[r] as usize)))
     }
-    /// Without position ids, a run is the rest of row `r`'s sequence within its page (the
+    /// Without position ids, a run is the rest of row `r`'s written rows within its page (the
     /// positions and slots consecutive); with them, one row.
     #[inline(always)]
     fn run(&self, cursor: &mut SeqCursor, r: usize, max: usize) -> Option<(usize, usize, usize)> {
         if self.ids.is_some() {
             return self.get(cursor, r).map(|(slot, p)| (slot, p, 1));
         }
-        let (base, pos, n) = self.slots.run(cursor, r);
+        let (base, pos, n) = self.slots.run(cursor, r)?;
         Some((base, pos, n.min(max)))
     }
     fn stride(&self) -> usize {
@@ -159,9 +160,8 @@ pub(crate) struct Bases<'a>(pub &'a [Option<usize>]);
 
 impl RowSlots for Bases<'_> {
     type Cursor = ();
-    #[inline]
-    fn active(&self, r: usize) -> bool {
-        self.0[r].is_some()
+    fn cut(&self, first: usize, rows: usize, left: usize, threads: usize) -> usize {
+        cut(|r| self.0[r].is_some(), first, rows, left, threads)
     }
     fn cursor(&self, _: usize) {}
     #[inline]
@@ -230,7 +230,7 @@ fn for_rows<T: Send, S: RowSlots, const RUNS: bool>(
         }
         return;
     }
-    shares(&share, &|r| slots.active(r), 0, output, width, threads);
+    shares(&share, slots, 0, output, width, threads);
 }
 
 /// Splits rows `first ..` (`output`, rows of `width`) into `threads` contiguous shares of equal
@@ -238,7 +238,7 @@ fn for_rows<T: Send, S: RowSlots, const RUNS: bool>(
 /// `rayon::join` (O(rows · log threads) counting, no allocation).
 fn shares<T: Send>(
     share: &(impl Fn(usize, &mut [T]) + Sync),
-    active: &(impl Fn(usize) -> bool + Sync),
+    slots: &impl RowSlots,
     first: usize,
     output: &mut [T],
     width: usize,
@@ -253,11 +253,11 @@ fn shares<T: Send>(
         return;
     }
     let left = threads / 2;
-    let cut = cut(active, first, rows, left, threads);
+    let cut = slots.cut(first, rows, left, threads);
     let (a, b) = output.split_at_mut(cut * width);
     rayon::join(
-        || shares(share, active, first, a, width, left),
-        || shares(share, active, first + cut, b, width, threads - left),
+        || shares(share, slots, first, a, width, left),
+        || shares(share, slots, first + cut, b, width, threads - left),
     );
 }
 
@@ -291,7 +291,7 @@ fn slot_rows<T: Send, C: Send, const RUNS: bool>(
     assert!(!RUNS || slots.stride() == kw, "runs of slots {} apart, {kw} values each", slots.stride());
     for_rows::<T, _, RUNS>(parallel, output, qw, slots, |r, (base, p, n), bufs, o| {
         // SAFETY: every `RowSlots` gives distinct rows disjoint slots (a slot plan checked every
-        // slot, or no two written pages share a block; `RaggedSlots`), so the ranges
+        // slot, or no two written pages share a block; `SeqSlots`), so the ranges
         // `base .. base + kw` of distinct rows are disjoint (a slot holds the row's kw K values);
         // a run's n rows have the n contiguous slots `base + i · kw` (asserted stride), which
         // `base .. base + n · kw` covers exactly. Each row is visited by one task, in one run;
@@ -387,10 +387,16 @@ mod tests {
     /// Rows active by [`pattern`], each with slot and position `r`.
     struct Pattern(usize, usize);
 
-    impl RowSlots for Pattern {
-        type Cursor = usize;
+    impl Pattern {
         fn active(&self, r: usize) -> bool {
             pattern(self.0, r, self.1)
+        }
+    }
+
+    impl RowSlots for Pattern {
+        type Cursor = usize;
+        fn cut(&self, first: usize, rows: usize, left: usize, threads: usize) -> usize {
+            cut(|r| self.active(r), first, rows, left, threads)
         }
         fn cursor(&self, first: usize) -> usize {
             first

@@ -4,7 +4,7 @@
 //! all of its arguments (shapes, offsets, page table, capacity, slot conflicts) before it writes
 //! anything, so an error leaves the output and the cache unchanged.
 
-use crate::cache::{CacheShape, KvSel, KvWrite, PageTable, RaggedSlots, SlotPlan};
+use crate::cache::{CacheShape, KvSel, KvWrite, PageTable, SeqSlots, SlotPlan};
 use crate::element::Element;
 use crate::error::{Error, Expected, Result, checked_len};
 use crate::formats::{BlockFormat, QuantizedRef};
@@ -279,6 +279,32 @@ pub(crate) fn validate_rope_bshd<T: Element, C: Element>(
     output_len: usize,
     kv: &KvWrite<'_, C>,
 ) -> Result<(SlotPlan, Positions)> {
+    check_rope_bshd(args, output_len, kv)?;
+    let writes = padded_rows(args.valid_lengths, args.seq_len);
+    let plan = SlotPlan::build(&kv.page_table, &kv.cache.shape(), kv.layer_idx, &writes)?;
+    let positions = plan.rows.iter().map(|s| s.map(|s| s.pos as usize)).collect();
+    Ok((plan, positions))
+}
+
+/// The fast path's validation of a padded RoPE call (as [`rope_ragged_slots`]): the slots found
+/// per sequence where [`validate_rope_bshd`] would succeed with no two written pages in one
+/// block, else `None`. Every written row's freqs row (its cache position) is then below the
+/// freqs' rows (checked per sequence by `check_rope_bshd`).
+pub(crate) fn rope_bshd_slots<'a, T: Element, C: Element>(
+    args: &RopeBshdArgs<'a, T>,
+    output_len: usize,
+    kv: &KvWrite<'a, C>,
+) -> Option<SeqSlots<'a>> {
+    check_rope_bshd(args, output_len, kv).ok()?;
+    SeqSlots::padded(kv.page_table, &kv.cache.shape(), kv.layer_idx, args.seq_len, args.valid_lengths)
+}
+
+/// [`validate_rope_bshd`]'s checks before its slot plan's, in its order.
+fn check_rope_bshd<T: Element, C: Element>(
+    args: &RopeBshdArgs<'_, T>,
+    output_len: usize,
+    kv: &KvWrite<'_, C>,
+) -> Result<()> {
     let shape = kv.cache.shape();
     let d = shape.head_size();
     if !d.is_multiple_of(2) {
@@ -299,10 +325,7 @@ pub(crate) fn validate_rope_bshd<T: Element, C: Element>(
             check_freqs_row(kv.page_table.cache_length(b) as u64 + v as u64 - 1, rows)?;
         }
     }
-    let writes = padded_rows(args.valid_lengths, s);
-    let plan = SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)?;
-    let positions = plan.rows.iter().map(|s| s.map(|s| s.pos as usize)).collect();
-    Ok((plan, positions))
+    Ok(())
 }
 
 /// Validates [`rope_ragged`](crate::reference::rope_ragged)'s arguments and returns its slot plan
@@ -346,7 +369,7 @@ fn check_rope_ragged<T: Element, F: Element, C: Element>(
 }
 
 /// The fast path's validation of a ragged RoPE call, without a pass over its rows where none is
-/// needed: the slots found per sequence ([`RaggedSlots`]), where [`validate_rope_ragged`] would
+/// needed: the slots found per sequence ([`SeqSlots`]), where [`validate_rope_ragged`] would
 /// succeed and its slot plan would hold no two written pages in one block; else `None`, and the
 /// caller runs [`validate_rope_ragged`] (which then finds the error, or checks every slot).
 ///
@@ -357,7 +380,7 @@ pub(crate) fn rope_ragged_slots<'a, T: Element, F: Element, C: Element>(
     args: &RopeRaggedArgs<'a, T, F>,
     output_len: usize,
     kv: &KvWrite<'a, C>,
-) -> Option<RaggedSlots<'a>> {
+) -> Option<SeqSlots<'a>> {
     let freq_rows = check_rope_ragged(args, output_len, kv).ok()? as u64;
     let offsets = args.input_row_offsets;
     match args.position_ids {
@@ -375,7 +398,7 @@ pub(crate) fn rope_ragged_slots<'a, T: Element, F: Element, C: Element>(
             }
         }
     }
-    RaggedSlots::new(kv.page_table, &kv.cache.shape(), kv.layer_idx, offsets)
+    SeqSlots::ragged(kv.page_table, &kv.cache.shape(), kv.layer_idx, offsets)
 }
 
 /// The freqs row of every row of a ragged batch: `position_ids[i]`, or `cache_lengths[b] + t`
@@ -500,7 +523,7 @@ pub(crate) fn validate_kv_store_ragged<T: Element, C: Element>(
 pub(crate) fn kv_store_ragged_slots<'a, T: Element, C: Element>(
     args: &KvStoreRaggedArgs<'a, T>,
     kv: &KvWrite<'a, C>,
-) -> Option<RaggedSlots<'a>> {
+) -> Option<SeqSlots<'a>> {
     let shape = kv.cache.shape();
     let offsets = args.input_row_offsets;
     let m = offsets.last().map_or(0, |&x| x as usize);
@@ -510,7 +533,23 @@ pub(crate) fn kv_store_ragged_slots<'a, T: Element, C: Element>(
     check_tensor("values", args.values.len(), &[m, shape.num_kv_heads(), shape.head_size()]).ok()?;
     check_offsets(offsets, m).ok()?;
     check_table_batch(&kv.page_table, offsets.len() - 1).ok()?;
-    RaggedSlots::new(kv.page_table, &shape, kv.layer_idx, offsets)
+    SeqSlots::ragged(kv.page_table, &shape, kv.layer_idx, offsets)
+}
+
+/// The fast path's validation of a padded KV store (as [`kv_store_ragged_slots`]).
+pub(crate) fn kv_store_bshd_slots<'a, T: Element, C: Element>(
+    args: &KvStoreBshdArgs<'a, T>,
+    kv: &KvWrite<'a, C>,
+) -> Option<SeqSlots<'a>> {
+    let shape = kv.cache.shape();
+    let (batch, s) = (args.batch, args.seq_len);
+    if args.which == KvSel::V && shape.is_mla() {
+        return None;
+    }
+    check_tensor("values", args.values.len(), &[batch, s, shape.num_kv_heads(), shape.head_size()]).ok()?;
+    check_valid_lengths(args.valid_lengths, batch, s).ok()?;
+    check_table_batch(&kv.page_table, batch).ok()?;
+    SeqSlots::padded(kv.page_table, &shape, kv.layer_idx, s, args.valid_lengths)
 }
 
 /// Validates [`kv_store_bshd`](crate::reference::kv_store_bshd)'s arguments.

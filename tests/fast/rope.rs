@@ -792,26 +792,30 @@ fn kv_stores_every_isa() {
 
 /// Sequences whose written pages share a block (each writing its own slots of it: valid, no
 /// conflict) take the fast path's full validation instead of its per-sequence slots; RoPE and the
-/// ragged KV store still equal the oracle on every ISA. Two writes to one slot are a conflict
-/// with nothing written.
+/// KV stores, ragged and padded, still equal the oracle on every ISA. Two writes to one slot are
+/// a conflict with nothing written.
 #[test]
 fn rope_and_kv_store_shared_blocks_every_isa() {
     let mut rng = Rng::new(75);
     let shape = CacheShape::mha(8, 1, 4, 2, 16).unwrap();
     // Sequence 0 writes positions 0..2 (slots 0, 1 of block 5); sequence 1, cache length 2,
-    // writes positions 2..7: slots 2, 3 of block 5 (its page 0) and then block 3.
+    // writes positions 2..7: slots 2, 3 of block 5 (its page 0) and then block 3. Padded: 6 rows
+    // per sequence, the first 2 and 6 valid.
     let (lens, lookup) = ([2usize, 6], [5u32, 0, 5, 3]);
-    let m = 8;
     let offs = offsets(&lens);
-    let q: Vec<bf16> = (0..m * 3 * 16).map(|_| bf16::from_f32(rng.normal())).collect();
-    let vals: Vec<bf16> = (0..m * 32).map(|_| bf16::from_f32(rng.normal())).collect();
-    let f: Vec<f32> = freqs(16, 16);
-    let run = |e: Option<Exec>, cache_lengths: &[u32]| -> paged_qkv::Result<(Vec<u32>, Vec<u32>)> {
+    let valid = lens.map(|l| l as u32);
+    // Rows of 3 Q heads of 16 (48 values) and of 32 K or V values; 12 padded rows, 8 ragged.
+    let q: Vec<bf16> = (0..12 * 48).map(|_| bf16::from_f32(rng.normal())).collect();
+    let vals: Vec<bf16> = (0..12 * 32).map(|_| bf16::from_f32(rng.normal())).collect();
+    let (f, fb): (Vec<f32>, Vec<bf16>) = (freqs(16, 16), freqs(16, 16));
+    let run = |e: Option<Exec>, cache_lengths: &[u32], padded: bool| -> paged_qkv::Result<(Vec<u32>, Vec<u32>)> {
         let mut cache: PagedKvCache<bf16> = random_cache(&mut Rng::new(2), shape);
+        let m = if padded { 12 } else { 8 };
+        let (q, vals) = (&q[..m * 48], &vals[..m * 32]);
         let mut out = vec![bf16::from_f32(-3.0); q.len()];
         let table = PageTable::new(&lookup, 2, cache_lengths).unwrap();
-        let args = RopeRaggedArgs {
-            q_proj: &q,
+        let ragged = RopeRaggedArgs {
+            q_proj: q,
             input_row_offsets: &offs,
             num_q_heads: 3,
             q_head_size: 16,
@@ -820,13 +824,27 @@ fn rope_and_kv_store_shared_blocks_every_isa() {
             position_ids: None,
             interleaved: false,
         };
-        let store = KvStoreRaggedArgs { values: &vals, input_row_offsets: &offs, which: KvSel::V };
+        let bshd = RopeBshdArgs {
+            q_proj: q,
+            batch: 2,
+            seq_len: 6,
+            num_q_heads: 3,
+            freqs_cis: &fb,
+            valid_lengths: &valid,
+            interleaved: false,
+        };
+        let store = KvStoreRaggedArgs { values: vals, input_row_offsets: &offs, which: KvSel::V };
+        let store_bshd = KvStoreBshdArgs { values: vals, batch: 2, seq_len: 6, valid_lengths: &valid, which: KvSel::V };
         let mut kv = KvWrite::new(cache.view_mut(), table, 0);
-        let r = match e {
-            Some(e) => fast::kv_store_ragged(&store, &mut kv, e)
-                .and_then(|_| fast::rope_ragged(&args, &mut out, &mut kv, RopeMath::F32, e)),
-            None => reference::kv_store_ragged(&store, &mut kv)
-                .and_then(|_| reference::rope_ragged(&args, &mut out, &mut kv, RopeMath::F32)),
+        let r = match (e, padded) {
+            (Some(e), false) => fast::kv_store_ragged(&store, &mut kv, e)
+                .and_then(|_| fast::rope_ragged(&ragged, &mut out, &mut kv, RopeMath::F32, e)),
+            (None, false) => reference::kv_store_ragged(&store, &mut kv)
+                .and_then(|_| reference::rope_ragged(&ragged, &mut out, &mut kv, RopeMath::F32)),
+            (Some(e), true) => fast::kv_store_bshd(&store_bshd, &mut kv, e)
+                .and_then(|_| fast::rope_bshd(&bshd, &mut out, &mut kv, RopeMath::F32, e)),
+            (None, true) => reference::kv_store_bshd(&store_bshd, &mut kv)
+                .and_then(|_| reference::rope_bshd(&bshd, &mut out, &mut kv, RopeMath::F32)),
         };
         let before = random_cache::<bf16>(&mut Rng::new(2), shape);
         if r.is_err() {
@@ -836,15 +854,19 @@ fn rope_and_kv_store_shared_blocks_every_isa() {
         }
         r.map(|_| (bits(&out), bits(cache.data())))
     };
-    let want = run(None, &[0, 2]).unwrap();
-    // Every row is rotated (row 0, at position 0, by angle 0).
-    let rotated = |row: usize| want.0[row * 48..(row + 1) * 48] != bits(&q[row * 48..(row + 1) * 48]);
-    assert!((1..m).all(rotated) && want.0[..48] == bits(&q[..48]));
-    for e in execs() {
-        assert_eq!(run(Some(e), &[0, 2]).unwrap(), want, "{e:?}");
-        // Sequence 1 from cache length 1: position 1 of block 5 is written twice.
-        for got in [run(Some(e), &[0, 1]), run(None, &[0, 1])] {
-            assert!(matches!(got, Err(Error::SlotConflict { .. })), "{e:?}: {:?}", got.map(|_| "written"));
+    for padded in [false, true] {
+        let want = run(None, &[0, 2], padded).unwrap();
+        // Every valid row is rotated (sequence 0's first, at position 0, by angle 0).
+        let rows: Vec<usize> = if padded { vec![0, 1, 6, 7, 8, 9, 10, 11] } else { (0..8).collect() };
+        let rotated = |row: usize| want.0[row * 48..(row + 1) * 48] != bits(&q[row * 48..(row + 1) * 48]);
+        assert!(rows[1..].iter().all(|&r| rotated(r)) && !rotated(0), "padded {padded}");
+        for e in execs() {
+            assert_eq!(run(Some(e), &[0, 2], padded).unwrap(), want, "{e:?} padded {padded}");
+            // Sequence 1 from cache length 1: position 1 of block 5 is written twice.
+            for got in [run(Some(e), &[0, 1], padded), run(None, &[0, 1], padded)] {
+                let got = got.map(|_| "written");
+                assert!(matches!(got, Err(Error::SlotConflict { .. })), "{e:?} padded {padded}: {got:?}");
+            }
         }
     }
 }
