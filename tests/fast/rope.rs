@@ -283,7 +283,8 @@ fn rope_output_near_q_every_isa_bit_for_bit() {
 /// f32 freqs holding NaNs whose payload fills the low 16 bits (and an infinity): rounding such a
 /// NaN to bf16 like a number would carry into the sign (`0x7FFF_FFFF` → −0) or the exponent. Every
 /// ISA must give NaN where the oracle does (sign and payload are not promised) and equal bits
-/// elsewhere, on the vector paths (whole 128-dim heads) of both pairings.
+/// elsewhere, on the vector paths (whole 128-dim heads) of both pairings, also in vectors that
+/// hold a zero result.
 #[test]
 fn rope_nan_payload_freqs_stay_nan() {
     let canon =
@@ -295,7 +296,15 @@ fn rope_nan_payload_freqs_stay_nan() {
         f[2 * d + 2 * (40 + 3 * i) + 1 - (i % 2)] = f32::from_bits(bits); // token 2
     }
     let mut rng = Rng::new(74);
-    let q: Vec<bf16> = (0..tokens * hq * d).map(|_| bf16::from_f32(rng.normal())).collect();
+    let mut q: Vec<bf16> = (0..tokens * hq * d).map(|_| bf16::from_f32(rng.normal())).collect();
+    // Zeros in the vectors the NaNs land in (pair 3 of each head: elements 3 and 67 half-split,
+    // 6 and 7 interleaved), so that a ±0 result sends them through the kernels' slower join
+    // (`join_bf16_cvt`'s fallback) too.
+    for h in 0..tokens * hq {
+        for e in [3, 67, 6, 7] {
+            q[h * d + e] = bf16::ZERO;
+        }
+    }
     let shape = CacheShape::mha(4, 1, 4, hkv, d).unwrap();
     let offs = [0, tokens as u32];
     for interleaved in [false, true] {

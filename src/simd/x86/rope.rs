@@ -111,7 +111,7 @@ pub(crate) unsafe fn fill_half_avx512(row: &[f32], c: &mut [f32], s: &mut [f32],
     for b in (0..h).step_by(32) {
         // SAFETY: values 2b .. 2b + 64 of row (2b + 64 ≤ 2h) and b .. b + 32 of each form.
         unsafe {
-            let f = chunk_forms::<F32>(row.as_ptr().add(2 * b).cast());
+            let f = chunk_forms::<F32>(row.as_ptr().add(2 * b).cast(), true);
             for (j, (v, w)) in f.c.iter().zip(&f.s).enumerate() {
                 _mm512_storeu_ps(c.as_mut_ptr().add(b + 16 * j), *v);
                 _mm512_storeu_ps(s.as_mut_ptr().add(b + 16 * j), *w);
@@ -439,8 +439,13 @@ unsafe fn join_bf16_cvt(p: *mut u8, e: __m512, o: __m512) {
         );
     }
     if _mm512_testn_epi16_mask(r, _mm512_set1_epi16(0x7FFF)) != 0 {
-        // SAFETY: the caller's contract is join_bf16's.
-        unsafe { join_bf16(p, e, o) };
+        // NaNs made the default NaN first: `join_bf16` needs NaNs with zero low bits, which the
+        // CVT token kernels do not guarantee (they skip that step on their freqs, see
+        // `token_avx512`).
+        let canon =
+            |v: __m512| _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v), _mm512_set1_ps(f32::NAN));
+        // SAFETY: the caller's contract is join_bf16's, NaNs now the default NaN.
+        unsafe { join_bf16(p, canon(e), canon(o)) };
         return;
     }
     // SAFETY: the caller guarantees 64 bytes at p.
@@ -621,18 +626,21 @@ struct ChunkForms {
 }
 
 /// [`ChunkForms`] of the 64 freqs (`c0, s0, c1, s1, …`) of kind `KF` at `p`: widened exactly,
-/// NaN made the default NaN, de-interleaved by 8 two-source permutes (what
+/// NaN made the default NaN where `canon_nan` (see [`token_avx512`] for where not), de-interleaved by 8 two-source permutes (what
 /// [`fill_half_avx512`] stores per chunk).
 ///
 /// # Safety
 /// AVX-512 F must be available; 64 readable elements of kind `KF` at `p`.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn chunk_forms<const KF: u8>(p: *const u8) -> ChunkForms {
+unsafe fn chunk_forms<const KF: u8>(p: *const u8, canon_nan: bool) -> ChunkForms {
     let size = if KF == F32 { 4 } else { 2 };
     let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    let canon = |v: __m512| _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v), _mm512_set1_ps(f32::NAN));
+    let canon = |v: __m512| match canon_nan {
+        true => _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v), _mm512_set1_ps(f32::NAN)),
+        false => v,
+    };
     // SAFETY: elements 16i .. 16i + 16 of the 64 at p.
     let f: [__m512; 4] = std::array::from_fn(|i| canon(unsafe { load512::<KF>(p.add(16 * i * size)) }));
     let (c0, c1) = (_mm512_permutex2var_ps(f[0], even, f[1]), _mm512_permutex2var_ps(f[2], even, f[3]));
@@ -723,7 +731,7 @@ pub(crate) unsafe fn token_avx512<
         unsafe {
             let (freqs, q, out, k) =
                 (freqs.add(t * 64 * N * fsize), q.add(t * qrow), out.add(t * qrow), k.add(t * krow));
-            let forms: [ChunkForms; N] = std::array::from_fn(|b| chunk_forms::<KF>(freqs.add(64 * b * fsize)));
+            let forms: [ChunkForms; N] = std::array::from_fn(|b| chunk_forms::<KF>(freqs.add(64 * b * fsize), !CVT));
             if INTER {
                 heads_inter_regs::<KQ, N, CVT>(q, out, hq, &forms);
                 heads_inter_regs::<KK, N, CVT>(k, k, hk, &forms);
