@@ -1,12 +1,14 @@
 //! The standalone RoPE and KV-store fast paths: per row, the token's Q heads are rotated from
 //! `q_proj` into `output` and its K heads rotated in place in its cache slot (or its K/V values
 //! stored there), in parallel over rows. Each row reaches its own slot through
-//! [`SharedMut::slice_mut`] (the validated slot plan gives distinct rows distinct slots), so a
-//! call allocates nothing in steady state: the earlier safe version carved the cache into a vector
-//! of slices per call.
+//! [`SharedMut::slice_mut`] (the validated slots, [`RowSlots`], give distinct rows disjoint
+//! slots), so a call allocates nothing in steady state: the earlier safe version carved the cache
+//! into a vector of slices per call. The slots come from a per-row slot plan, or are found per
+//! sequence as the rows are visited ([`Seqs`]); the token kernels then take runs of consecutive
+//! rows (one sequence, one page) whose slots are contiguous.
 //!
 //! The rotation itself is `crate::simd::rope`: the oracle's operations lane by lane.
-#![allow(unsafe_code)] // `SharedMut::slice_mut` per row, under the slot plan's disjointness
+#![allow(unsafe_code)] // `SharedMut::slice_mut` per row or run, under the slots' disjointness
 
 use super::scatter::SharedMut;
 use crate::cache::{CacheShape, SeqCursor, SeqSlots, SlotPlan};

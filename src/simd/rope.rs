@@ -682,7 +682,7 @@ impl<T: Element, C: Element, F: Element> TokenFn<T, C, F> {
     /// A run of `tokens` consecutive tokens, each as [`HalfRows::row`]: token `t` takes the
     /// freqs row `t` of `freqs`, its Q heads from row `t` of `q` into row `t` of `out`, and its
     /// K heads in place from element `t · k_stride` of `k`. A run pays the call and the
-    /// kernel's setup once (measured: see README, "RoPE runs").
+    /// kernel's setup once (measured: README, "RoPE runs and per-sequence slots").
     #[inline]
     pub fn run(&self, freqs: &[F], q: &[T], out: &mut [T], k: &mut [C], tokens: usize, k_stride: usize) {
         let (rd, qw, kw) = (self.rd, self.hq * self.rd, self.hk * self.rd);
