@@ -729,7 +729,8 @@ pub fn kv_store_ragged<T: Element, C: Element>(
         return Ok(());
     }
     let plan = validate_kv_store_ragged(args, kv)?;
-    store_planned(token, exec, args.values, args.which, kv, &plan);
+    let bases = slot_bases(&plan, &kv.cache.shape(), kv.layer_idx, 0);
+    store(token, exec, args.values, args.which, kv, &Bases(&bases));
     Ok(())
 }
 
@@ -747,20 +748,9 @@ pub fn kv_store_bshd<T: Element, C: Element>(
         return Ok(());
     }
     let plan = validate_kv_store_bshd(args, kv)?;
-    store_planned(token, exec, args.values, args.which, kv, &plan);
+    let bases = slot_bases(&plan, &kv.cache.shape(), kv.layer_idx, 0);
+    store(token, exec, args.values, args.which, kv, &Bases(&bases));
     Ok(())
-}
-
-fn store_planned<T: Element, C: Element>(
-    token: IsaToken,
-    exec: Exec,
-    values: &[T],
-    which: KvSel,
-    kv: &mut KvWrite<'_, C>,
-    plan: &SlotPlan,
-) {
-    let bases = slot_bases(plan, &kv.cache.shape(), kv.layer_idx, 0);
-    store(token, exec, values, which, kv, &Bases(&bases));
 }
 
 fn store<T: Element, C: Element>(
