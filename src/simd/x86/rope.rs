@@ -452,15 +452,55 @@ unsafe fn join_bf16_cvt(p: *mut u8, e: __m512, o: __m512) {
     unsafe { _mm512_storeu_si512(p.cast(), _mm512_permutexvar_epi16(idx, r)) }
 }
 
-/// [`join_bf16_cvt`] when `CVT`, else [`join_bf16`] (the same bits).
+/// [`join_bf16_cvt`] when `CVT`, else [`join_bf16`] (the same bits). `CVT` and `ACC`: the
+/// conversion's result stored without [`join_bf16_cvt`]'s check, its ±0 words gathered into
+/// `acc` instead (the lanes of `acc` that are zero after a run of joins are the lanes where one
+/// of them stored a ±0 word, so possibly a flushed subnormal): the caller checks `acc` and stores
+/// those values again by [`join_bf16`] where a lane is zero.
 ///
 /// # Safety
 /// As [`join_bf16`], and AVX-512 BF16 must be available when `CVT`.
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
-unsafe fn join_bf16_with<const CVT: bool>(p: *mut u8, e: __m512, o: __m512) {
+unsafe fn join_bf16_with<const CVT: bool, const ACC: bool>(p: *mut u8, e: __m512, o: __m512, acc: &mut __m512i) {
     // SAFETY: the caller's contract is the chosen join's.
-    unsafe { if CVT { join_bf16_cvt(p, e, o) } else { join_bf16(p, e, o) } }
+    unsafe {
+        match (CVT, ACC) {
+            (false, _) => join_bf16(p, e, o),
+            (true, false) => join_bf16_cvt(p, e, o),
+            (true, true) => join_bf16_cvt_acc(p, e, o, acc),
+        }
+    }
+}
+
+/// [`join_bf16_cvt`] without its check: the conversion stored, and `acc` lowered to zero in the
+/// lanes where it holds a ±0 word (`acc = min(acc, r << 1)` on 16-bit lanes: two operations off
+/// the FMA pipes, where the check's mask compare and branch per vector were ~20 % of a 64-token
+/// Qwen-shaped call on AMD Zen 5).
+///
+/// # Safety
+/// As [`join_bf16_cvt`].
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn join_bf16_cvt_acc(p: *mut u8, e: __m512, o: __m512, acc: &mut __m512i) {
+    let idx = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+        16, 0,
+    );
+    let r: __m512i;
+    // SAFETY: as in `join_bf16_cvt`.
+    unsafe {
+        std::arch::asm!(
+            "vcvtne2ps2bf16 {r}, {o}, {e}",
+            r = lateout(zmm_reg) r,
+            o = in(zmm_reg) o,
+            e = in(zmm_reg) e,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    *acc = _mm512_min_epu16(*acc, _mm512_slli_epi16::<1>(r));
+    // SAFETY: the caller guarantees 64 bytes at p.
+    unsafe { _mm512_storeu_si512(p.cast(), _mm512_permutexvar_epi16(idx, r)) }
 }
 
 /// One half-split step of 32 bf16 pairs at pair `i`: elements `i .. i + 32` of both halves (`hh`
@@ -485,7 +525,7 @@ unsafe fn half_step_bf16<const CVT: bool>(
     unsafe {
         let (ce, co) = (_mm512_loadu_ps(cd.add(i)), _mm512_loadu_ps(cd.add(i + 16)));
         let (se, so) = (_mm512_loadu_ps(sd.add(i)), _mm512_loadu_ps(sd.add(i + 16)));
-        half_step_bf16_regs::<CVT>(from, base, hh, i, [ce, co, se, so], r);
+        half_step_bf16_regs::<CVT, false>(from, base, hh, i, [ce, co, se, so], r, &mut _mm512_setzero_si512());
     }
 }
 
@@ -496,13 +536,14 @@ unsafe fn half_step_bf16<const CVT: bool>(
 /// As [`half_step_bf16`], without the forms' memory.
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
-unsafe fn half_step_bf16_regs<const CVT: bool>(
+unsafe fn half_step_bf16_regs<const CVT: bool, const ACC: bool>(
     from: *const u8,
     base: *mut u8,
     hh: usize,
     i: usize,
     f: [__m512; 4],
     r: Round,
+    acc: &mut __m512i,
 ) {
     let [ce, co, se, so] = f;
     // SAFETY: the caller's contract covers every address below.
@@ -511,8 +552,8 @@ unsafe fn half_step_bf16_regs<const CVT: bool>(
         let (x1e, x1o) = split_bf16(from.add((hh + i) * 2), r);
         let (y0e, y1e) = rot512(x0e, x1e, ce, se, r);
         let (y0o, y1o) = rot512(x0o, x1o, co, so, r);
-        join_bf16_with::<CVT>(base.add(i * 2), y0e, y0o);
-        join_bf16_with::<CVT>(base.add((hh + i) * 2), y1e, y1o);
+        join_bf16_with::<CVT, ACC>(base.add(i * 2), y0e, y0o, acc);
+        join_bf16_with::<CVT, ACC>(base.add((hh + i) * 2), y1e, y1o, acc);
     }
 }
 
@@ -660,11 +701,12 @@ unsafe fn chunk_forms<const KF: u8>(p: *const u8, canon_nan: bool) -> ChunkForms
 /// As [`heads_half_avx512`] for `hh = 32 N`, with `forms` the chunks' forms.
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
-unsafe fn heads_half_regs<const K: u8, const N: usize, const CVT: bool>(
+unsafe fn heads_half_regs<const K: u8, const N: usize, const CVT: bool, const ACC: bool>(
     src: *const u8,
     x: *mut u8,
     heads: usize,
     forms: &[ChunkForms; N],
+    acc: &mut __m512i,
 ) {
     let (size, hh) = (if K == F32 { 4 } else { 2 }, 32 * N);
     for h in 0..heads {
@@ -674,7 +716,7 @@ unsafe fn heads_half_regs<const K: u8, const N: usize, const CVT: bool>(
             // SAFETY: pairs i .. i + 32 of both halves of head h (i + 32 ≤ hh, d = 2 hh).
             unsafe {
                 if K == BF16 {
-                    half_step_bf16_regs::<CVT>(from, base, hh, i, f.d, Round::None);
+                    half_step_bf16_regs::<CVT, ACC>(from, base, hh, i, f.d, Round::None, acc);
                 } else {
                     half_step_regs::<K>(from, base, hh, i, f.c[0], f.s[0], Round::None);
                     half_step_regs::<K>(from, base, hh, i + 16, f.c[1], f.s[1], Round::None);
@@ -697,7 +739,12 @@ unsafe fn heads_half_regs<const K: u8, const N: usize, const CVT: bool>(
 /// rather than made the default NaN: the conversion keeps any NaN a NaN, and its fallback
 /// canonicalises before the integer join (sign and payload of a NaN are not promised). That
 /// step was ~3 % of a 64-token Qwen-shaped bf16 call (AMD Zen 5, one core: 2.19–2.27 →
-/// 2.10–2.17 µs, binaries alternated four times).
+/// 2.10–2.17 µs, binaries alternated four times). Also with `CVT`, the Q heads' conversions are
+/// checked for ±0 words once per token rather than per vector ([`join_bf16_cvt_acc`]; the
+/// token's Q heads are stored again by the integer join where one was found): the per-vector
+/// check was ~20 % of that call (1.75–1.80 µs without any check); with the check per token the
+/// call took 1.99–2.03 µs against 2.14–2.24 (three alternations; 512 tokens 19.6–19.7 →
+/// 18.9–19.4 µs, 64 Llama-shaped 11.1–11.2 → 10.8–10.9 µs).
 ///
 /// `tokens` consecutive tokens in one call (a run: consecutive freqs rows, Q and output rows,
 /// and K slots `k_stride` elements apart), so that a run pays the call, the per-row bookkeeping
@@ -736,12 +783,30 @@ pub(crate) unsafe fn token_avx512<
             let (freqs, q, out, k) =
                 (freqs.add(t * 64 * N * fsize), q.add(t * qrow), out.add(t * qrow), k.add(t * krow));
             let forms: [ChunkForms; N] = std::array::from_fn(|b| chunk_forms::<KF>(freqs.add(64 * b * fsize), !CVT));
+            // The Q heads (rotated out of place, so `q` still holds their inputs) by the
+            // conversion with its ±0 words gathered in `acc`; where any came out ±0 (a flushed
+            // subnormal, or a true zero), all of the token's Q heads again by the integer join,
+            // from the canonical forms it needs. The K heads, rotated in place, check each
+            // vector (`join_bf16_cvt`). Without `CVT`, `acc` is not touched.
+            let mut acc = _mm512_set1_epi16(-1);
             if INTER {
-                heads_inter_regs::<KQ, N, CVT>(q, out, hq, &forms);
-                heads_inter_regs::<KK, N, CVT>(k, k, hk, &forms);
+                heads_inter_regs::<KQ, N, CVT, true>(q, out, hq, &forms, &mut acc);
             } else {
-                heads_half_regs::<KQ, N, CVT>(q, out, hq, &forms);
-                heads_half_regs::<KK, N, CVT>(k, k, hk, &forms);
+                heads_half_regs::<KQ, N, CVT, true>(q, out, hq, &forms, &mut acc);
+            }
+            if CVT && _mm512_testn_epi16_mask(acc, acc) != 0 {
+                let forms: [ChunkForms; N] =
+                    std::array::from_fn(|b| chunk_forms::<KF>(freqs.add(64 * b * fsize), true));
+                if INTER {
+                    heads_inter_regs::<KQ, N, false, false>(q, out, hq, &forms, &mut acc);
+                } else {
+                    heads_half_regs::<KQ, N, false, false>(q, out, hq, &forms, &mut acc);
+                }
+            }
+            if INTER {
+                heads_inter_regs::<KK, N, CVT, false>(k, k, hk, &forms, &mut acc);
+            } else {
+                heads_half_regs::<KK, N, CVT, false>(k, k, hk, &forms, &mut acc);
             }
         }
     }
@@ -756,12 +821,19 @@ pub(crate) unsafe fn token_avx512<
 /// and writable at `base + 2i` (the same or non-overlapping).
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
-unsafe fn inter_step_bf16<const CVT: bool>(from: *const u8, base: *mut u8, i: usize, c: __m512, s: __m512) {
+unsafe fn inter_step_bf16<const CVT: bool, const ACC: bool>(
+    from: *const u8,
+    base: *mut u8,
+    i: usize,
+    c: __m512,
+    s: __m512,
+    acc: &mut __m512i,
+) {
     // SAFETY: the caller's contract covers both addresses.
     unsafe {
         let (x0, x1) = split_bf16(from.add(i * 2), Round::None);
         let (y0, y1) = rot512(x0, x1, c, s, Round::None);
-        join_bf16_with::<CVT>(base.add(i * 2), y0, y1);
+        join_bf16_with::<CVT, ACC>(base.add(i * 2), y0, y1, acc);
     }
 }
 
@@ -794,11 +866,12 @@ unsafe fn inter_step<const K: u8>(from: *const u8, base: *mut u8, i: usize, f: _
 /// `heads · 64 N` elements of kind `K` and either are the same pointer or do not overlap.
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
-unsafe fn heads_inter_regs<const K: u8, const N: usize, const CVT: bool>(
+unsafe fn heads_inter_regs<const K: u8, const N: usize, const CVT: bool, const ACC: bool>(
     src: *const u8,
     x: *mut u8,
     heads: usize,
     forms: &[ChunkForms; N],
+    acc: &mut __m512i,
 ) {
     let (size, d) = (if K == F32 { 4 } else { 2 }, 64 * N);
     // `fsw` (f16 and f32): each (c, s) pair of `f` swapped, exactly. A plain loop: through
@@ -818,8 +891,8 @@ unsafe fn heads_inter_regs<const K: u8, const N: usize, const CVT: bool>(
             // SAFETY: elements i .. i + 64 of head h (i + 64 ≤ 64 N = d).
             unsafe {
                 if K == BF16 {
-                    inter_step_bf16::<CVT>(from, base, i, f.c[0], f.s[0]);
-                    inter_step_bf16::<CVT>(from, base, i + 32, f.c[1], f.s[1]);
+                    inter_step_bf16::<CVT, ACC>(from, base, i, f.c[0], f.s[0], acc);
+                    inter_step_bf16::<CVT, ACC>(from, base, i + 32, f.c[1], f.s[1], acc);
                 } else {
                     for j in 0..4 {
                         inter_step::<K>(from, base, i + 16 * j, f.f[j], fsw[b][j]);
