@@ -419,12 +419,30 @@ unsafe fn join_bf16(p: *mut u8, e: __m512, o: __m512) {
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
 unsafe fn join_bf16_cvt(p: *mut u8, e: __m512, o: __m512) {
-    // Word w of the result: the even value w / 2 (word w / 2 of the conversion) for even w, the
-    // odd value (word 16 + w / 2) for odd w.
-    let idx = _mm512_set_epi16(
-        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-        16, 0,
-    );
+    // SAFETY: the caller guarantees AVX-512 BF16.
+    let r = unsafe { cvt2_bf16(e, o) };
+    if _mm512_testn_epi16_mask(r, _mm512_set1_epi16(0x7FFF)) != 0 {
+        // NaNs made the default NaN first: `join_bf16` needs NaNs with zero low bits, which the
+        // CVT token kernels do not guarantee (they skip that step on their freqs, see
+        // `token_avx512`).
+        let canon =
+            |v: __m512| _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v), _mm512_set1_ps(f32::NAN));
+        // SAFETY: the caller's contract is join_bf16's, NaNs now the default NaN.
+        unsafe { join_bf16(p, canon(e), canon(o)) };
+        return;
+    }
+    // SAFETY: the caller guarantees 64 bytes at p.
+    unsafe { store_interleaved(p, r) }
+}
+
+/// `vcvtne2ps2bf16`: the even lanes' 16 values `e` then the odd lanes' `o`, rounded to bf16
+/// (nearest even; subnormal inputs flushed to ±0, NaNs kept NaN).
+///
+/// # Safety
+/// AVX-512 BF16 must be available.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn cvt2_bf16(e: __m512, o: __m512) -> __m512i {
     let r: __m512i;
     // SAFETY: a register-only instruction of AVX-512 BF16 (the caller guarantees it); it reads
     // and writes no memory, the stack or the flags, and does not consult MXCSR. Issued by `asm!`
@@ -438,16 +456,22 @@ unsafe fn join_bf16_cvt(p: *mut u8, e: __m512, o: __m512) {
             options(pure, nomem, nostack, preserves_flags),
         );
     }
-    if _mm512_testn_epi16_mask(r, _mm512_set1_epi16(0x7FFF)) != 0 {
-        // NaNs made the default NaN first: `join_bf16` needs NaNs with zero low bits, which the
-        // CVT token kernels do not guarantee (they skip that step on their freqs, see
-        // `token_avx512`).
-        let canon =
-            |v: __m512| _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v), _mm512_set1_ps(f32::NAN));
-        // SAFETY: the caller's contract is join_bf16's, NaNs now the default NaN.
-        unsafe { join_bf16(p, canon(e), canon(o)) };
-        return;
-    }
+    r
+}
+
+/// Stores [`cvt2_bf16`]'s result with the even and odd values interleaved again (one `vpermw`).
+///
+/// # Safety
+/// AVX-512 F and BW must be available; 64 writable bytes at `p`.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn store_interleaved(p: *mut u8, r: __m512i) {
+    // Word w of the result: the even value w / 2 (word w / 2 of the conversion) for even w, the
+    // odd value (word 16 + w / 2) for odd w.
+    let idx = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+        16, 0,
+    );
     // SAFETY: the caller guarantees 64 bytes at p.
     unsafe { _mm512_storeu_si512(p.cast(), _mm512_permutexvar_epi16(idx, r)) }
 }
@@ -483,24 +507,11 @@ unsafe fn join_bf16_with<const CVT: bool, const ACC: bool>(p: *mut u8, e: __m512
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
 unsafe fn join_bf16_cvt_acc(p: *mut u8, e: __m512, o: __m512, acc: &mut __m512i) {
-    let idx = _mm512_set_epi16(
-        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-        16, 0,
-    );
-    let r: __m512i;
-    // SAFETY: as in `join_bf16_cvt`.
-    unsafe {
-        std::arch::asm!(
-            "vcvtne2ps2bf16 {r}, {o}, {e}",
-            r = lateout(zmm_reg) r,
-            o = in(zmm_reg) o,
-            e = in(zmm_reg) e,
-            options(pure, nomem, nostack, preserves_flags),
-        );
-    }
+    // SAFETY: the caller guarantees AVX-512 BF16.
+    let r = unsafe { cvt2_bf16(e, o) };
     *acc = _mm512_min_epu16(*acc, _mm512_slli_epi16::<1>(r));
     // SAFETY: the caller guarantees 64 bytes at p.
-    unsafe { _mm512_storeu_si512(p.cast(), _mm512_permutexvar_epi16(idx, r)) }
+    unsafe { store_interleaved(p, r) }
 }
 
 /// One half-split step of 32 bf16 pairs at pair `i`: elements `i .. i + 32` of both halves (`hh`
