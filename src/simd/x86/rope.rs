@@ -139,7 +139,7 @@ pub(crate) unsafe fn fill_half_avx512(row: &[f32], c: &mut [f32], s: &mut [f32],
 pub(crate) unsafe fn fill_half_avx2(row: &[f32], c: &mut [f32], s: &mut [f32], cd: &mut [f32], sd: &mut [f32]) {
     let h = c.len();
     debug_assert!(h.is_multiple_of(32) && row.len() == 2 * h && s.len() == h && cd.len() == h && sd.len() == h);
-    let canon = |v: __m256| _mm256_blendv_ps(v, _mm256_set1_ps(f32::NAN), _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+    let canon = default_nan256;
     // The even and the odd elements of the 16 values a, b, in order.
     let split = |a: __m256, b: __m256| {
         let e = _mm256_castpd_ps(_mm256_permute4x64_pd::<0xD8>(_mm256_castps_pd(_mm256_shuffle_ps::<0x88>(a, b))));
@@ -425,10 +425,8 @@ unsafe fn join_bf16_cvt(p: *mut u8, e: __m512, o: __m512) {
         // NaNs made the default NaN first: `join_bf16` needs NaNs with zero low bits, which the
         // CVT token kernels do not guarantee (they skip that step on their freqs, see
         // `token_avx512`).
-        let canon =
-            |v: __m512| _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v), _mm512_set1_ps(f32::NAN));
         // SAFETY: the caller's contract is join_bf16's, NaNs now the default NaN.
-        unsafe { join_bf16(p, canon(e), canon(o)) };
+        unsafe { join_bf16(p, default_nan512(e), default_nan512(o)) };
         return;
     }
     // SAFETY: the caller guarantees 64 bytes at p.
@@ -677,9 +675,23 @@ struct ChunkForms {
     f: [__m512; 4],
 }
 
+/// [`default_nan512`] on AVX2.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn default_nan256(v: __m256) -> __m256 {
+    _mm256_blendv_ps(v, _mm256_set1_ps(f32::NAN), _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v))
+}
+
+/// Every NaN lane of `v` made the default NaN (`f32::NAN`), the others kept.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn default_nan512(v: __m512) -> __m512 {
+    _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v), _mm512_set1_ps(f32::NAN))
+}
+
 /// [`ChunkForms`] of the 64 freqs (`c0, s0, c1, s1, …`) of kind `KF` at `p`: widened exactly,
-/// NaN made the default NaN where `canon_nan` (see [`token_avx512`] for where not), de-interleaved by 8 two-source permutes (what
-/// [`fill_half_avx512`] stores per chunk).
+/// NaN made the default NaN where `canon_nan` (see [`token_avx512`] for where not),
+/// de-interleaved by 8 two-source permutes (what [`fill_half_avx512`] stores per chunk).
 ///
 /// # Safety
 /// AVX-512 F must be available; 64 readable elements of kind `KF` at `p`.
@@ -689,10 +701,7 @@ unsafe fn chunk_forms<const KF: u8>(p: *const u8, canon_nan: bool) -> ChunkForms
     let size = if KF == F32 { 4 } else { 2 };
     let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    let canon = |v: __m512| match canon_nan {
-        true => _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v), _mm512_set1_ps(f32::NAN)),
-        false => v,
-    };
+    let canon = |v: __m512| if canon_nan { default_nan512(v) } else { v };
     // SAFETY: elements 16i .. 16i + 16 of the 64 at p.
     let f: [__m512; 4] = std::array::from_fn(|i| canon(unsafe { load512::<KF>(p.add(16 * i * size)) }));
     let (c0, c1) = (_mm512_permutex2var_ps(f[0], even, f[1]), _mm512_permutex2var_ps(f[2], even, f[3]));
@@ -800,25 +809,35 @@ pub(crate) unsafe fn token_avx512<
             // from the canonical forms it needs. The K heads, rotated in place, check each
             // vector (`join_bf16_cvt`). Without `CVT`, `acc` is not touched.
             let mut acc = _mm512_set1_epi16(-1);
-            if INTER {
-                heads_inter_regs::<KQ, N, CVT, true>(q, out, hq, &forms, &mut acc);
-            } else {
-                heads_half_regs::<KQ, N, CVT, true>(q, out, hq, &forms, &mut acc);
-            }
+            heads_regs::<KQ, N, CVT, true, INTER>(q, out, hq, &forms, &mut acc);
             if CVT && _mm512_testn_epi16_mask(acc, acc) != 0 {
                 let forms: [ChunkForms; N] =
                     std::array::from_fn(|b| chunk_forms::<KF>(freqs.add(64 * b * fsize), true));
-                if INTER {
-                    heads_inter_regs::<KQ, N, false, false>(q, out, hq, &forms, &mut acc);
-                } else {
-                    heads_half_regs::<KQ, N, false, false>(q, out, hq, &forms, &mut acc);
-                }
+                heads_regs::<KQ, N, false, false, INTER>(q, out, hq, &forms, &mut acc);
             }
-            if INTER {
-                heads_inter_regs::<KK, N, CVT, false>(k, k, hk, &forms, &mut acc);
-            } else {
-                heads_half_regs::<KK, N, CVT, false>(k, k, hk, &forms, &mut acc);
-            }
+            heads_regs::<KK, N, CVT, false, INTER>(k, k, hk, &forms, &mut acc);
+        }
+    }
+}
+
+/// [`heads_inter_regs`] for interleaved pairs (`INTER`), else [`heads_half_regs`].
+///
+/// # Safety
+/// As the chosen function.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn heads_regs<const K: u8, const N: usize, const CVT: bool, const ACC: bool, const INTER: bool>(
+    src: *const u8,
+    x: *mut u8,
+    heads: usize,
+    forms: &[ChunkForms; N],
+    acc: &mut __m512i,
+) {
+    // SAFETY: the caller's contract is the chosen function's.
+    unsafe {
+        match INTER {
+            true => heads_inter_regs::<K, N, CVT, ACC>(src, x, heads, forms, acc),
+            false => heads_half_regs::<K, N, CVT, ACC>(src, x, heads, forms, acc),
         }
     }
 }
@@ -1222,7 +1241,7 @@ struct ChunkForms256 {
 #[inline]
 unsafe fn chunk_forms_256<const KF: u8>(p: *const u8) -> ChunkForms256 {
     let size = if KF == F32 { 4 } else { 2 };
-    let canon = |v: __m256| _mm256_blendv_ps(v, _mm256_set1_ps(f32::NAN), _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+    let canon = default_nan256;
     // The even and the odd elements of the 16 values a, b, in order.
     let split = |a: __m256, b: __m256| {
         let e = _mm256_castpd_ps(_mm256_permute4x64_pd::<0xD8>(_mm256_castps_pd(_mm256_shuffle_ps::<0x88>(a, b))));
