@@ -142,15 +142,24 @@ impl RowSlots for Seqs<'_> {
         let (base, pos) = self.slots.slot(cursor, r)?;
         Some((base, self.ids.map_or(pos, |ids| ids[r] as usize)))
     }
-    /// Without position ids, a run is the rest of row `r`'s written rows within its page (the
-    /// positions and slots consecutive); with them, one row.
+    /// A run is the rest of row `r`'s written rows within its page (the cache positions and
+    /// slots consecutive); with position ids, only as far as the ids also go up by one per row
+    /// (the freqs rows consecutive), which costs one compare per row, as a row's own lookup did.
+    /// Servers pass ids that are the cache positions (or a constant offset of them), so their
+    /// rows keep the token kernels' runs.
     #[inline(always)]
     fn run(&self, cursor: &mut SeqCursor, r: usize, max: usize) -> Option<(usize, usize, usize)> {
-        if self.ids.is_some() {
-            return self.get(cursor, r).map(|(slot, p)| (slot, p, 1));
-        }
         let (base, pos, n) = self.slots.run(cursor, r)?;
-        Some((base, pos, n.min(max)))
+        let n = n.min(max);
+        match self.ids {
+            None => Some((base, pos, n)),
+            Some(ids) => {
+                let ids = &ids[r..r + n];
+                let first = ids[0] as usize;
+                let n = 1 + ids[1..].iter().zip(first + 1..).take_while(|&(&id, want)| id as usize == want).count();
+                Some((base, first, n))
+            }
+        }
     }
     fn stride(&self) -> usize {
         self.slots.stride()

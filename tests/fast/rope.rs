@@ -62,7 +62,22 @@ fn check_ragged_values<T: Element, F: Element, C: Element>(
     let pg = pages(rng, &c.cache_lengths, &c.lens, c.page, 64);
     let max_pos = c.lens.iter().zip(&c.cache_lengths).map(|(&l, &s)| s as usize + l).max().unwrap_or(0);
     // The table ends exactly at the last position used (positions near the end of the table).
-    let ids: Option<Vec<u32>> = c.ids.then(|| (0..m).map(|_| rng.below(max_pos.max(1)) as u32).collect());
+    // Position ids: stretches going up by one (a server's ids are the cache positions or an
+    // offset of them, which the fast path takes in runs), broken by random ids.
+    let ids: Option<Vec<u32>> = c.ids.then(|| {
+        let n = max_pos.max(1);
+        let mut prev: Option<usize> = None;
+        (0..m)
+            .map(|_| {
+                let id = match prev {
+                    Some(p) if p + 1 < n && rng.below(4) != 0 => p + 1,
+                    _ => rng.below(n),
+                };
+                prev = Some(id);
+                id as u32
+            })
+            .collect()
+    });
     let rows = max_pos.max(1);
     let f: Vec<F> = freqs(rows, c.rd);
     let q: Vec<T> = (0..m * c.hq * c.dq).map(|_| T::from_f32(value(rng))).collect();
@@ -174,12 +189,22 @@ fn two_sequences(dk: usize, rd: usize, hq: usize, lens: [usize; 2], cache_length
 
 /// Whole-head and wide partial rotary (the vector paths: 32-element bf16 steps, 16-lane steps and
 /// scalar tails), every element type, Q and cache of the same or different types, both pairings
-/// and math modes, against the oracle.
+/// and math modes, against the oracle; with position ids, runs of rows cut where an id breaks.
 #[test]
 fn rope_wide_heads_every_isa_bit_for_bit() {
     let mut rng = Rng::new(72);
     for (dk, rd) in [(64, 64), (128, 128), (128, 96), (96, 96), (128, 80), (160, 160)] {
         let c = two_sequences(dk, rd, 2, [3, 1], [5, 0]);
+        // Position ids over longer sequences: runs of rows crossing pages of 4, cut where an id
+        // does not follow its row's predecessor.
+        let ids = Ragged {
+            lens: vec![11, 6],
+            cache_lengths: vec![2, 7],
+            ids: true,
+            ..two_sequences(dk, rd, 2, [0, 0], [0, 0])
+        };
+        check_ragged::<bf16, bf16, bf16>(&mut rng, &ids);
+        check_ragged::<f32, f32, f32>(&mut rng, &ids);
         check_ragged::<bf16, bf16, bf16>(&mut rng, &c);
         check_ragged::<bf16, f32, bf16>(&mut rng, &c);
         check_ragged::<f16, f16, f16>(&mut rng, &c);
