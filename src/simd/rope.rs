@@ -366,10 +366,13 @@ pub(crate) fn rotate_heads_from<T: Element>(
         // (`neon_kind`); the asserts above prove the lengths of `row`'s `c` and `s`, the forms
         // the kernel reads; `neon_kind` admits only `F32` and bf16 rounding.
         let done = unsafe {
-            match kind {
-                BF16 => heads_neon::<BF16>(from, p, heads, d, rd, row, interleaved, r),
-                F16 => heads_neon::<F16>(from, p, heads, d, rd, row, interleaved, r),
-                _ => heads_neon::<F32>(from, p, heads, d, rd, row, interleaved, r),
+            match (kind, interleaved) {
+                (BF16, false) => heads_neon::<BF16, false>(from, p, heads, d, rd, row, r),
+                (BF16, true) => heads_neon::<BF16, true>(from, p, heads, d, rd, row, r),
+                (F16, false) => heads_neon::<F16, false>(from, p, heads, d, rd, row, r),
+                (F16, true) => heads_neon::<F16, true>(from, p, heads, d, rd, row, r),
+                (_, false) => heads_neon::<F32, false>(from, p, heads, d, rd, row, r),
+                (_, true) => heads_neon::<F32, true>(from, p, heads, d, rd, row, r),
             }
         };
         tail_pairs(src, x, (heads, d), at, done, row, interleaved, r);

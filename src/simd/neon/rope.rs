@@ -228,24 +228,24 @@ fn rot4(x0: float32x4_t, x1: float32x4_t, c: float32x4_t, s: float32x4_t, r: Rou
 /// de-interleaving loads and stores (`ld2`/`st2`), so both pairings run the same four-lane
 /// rotation on contiguous `c`, `s` forms: the oracle's operations lane by lane, so the same bits.
 /// Returns the pairs per head done (whole steps of 8 pairs for bf16 and f16, 4 for f32); the caller
-/// rotates the rest.
+/// rotates the rest. `INTER`: interleaved pairs (a parameter, the pairing was a branch in every
+/// step: three of the half-split bf16 step's 35 instructions).
 ///
 /// # Safety
 /// NEON must be available; `src` and `x` each hold `heads · d` elements of kind `K` (2 bytes for
 /// bf16 and f16, 4 for f32) and either are the same pointer or do not overlap; `row.c` and `row.s` hold
 /// `rd / 2` values (`rd` even, ≤ `d`).
 #[target_feature(enable = "neon")]
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn heads_neon<const K: u8>(
+pub(crate) unsafe fn heads_neon<const K: u8, const INTER: bool>(
     src: *const u8,
     x: *mut u8,
     heads: usize,
     d: usize,
     rd: usize,
     row: &RopeRow<'_>,
-    interleaved: bool,
     r: Round,
 ) -> usize {
+    let interleaved = INTER;
     debug_assert!(r != Round::F16 && row.c.len() == rd / 2 && row.s.len() == rd / 2);
     let size = if K == F32 { 4 } else { 2 };
     let at = if interleaved { d - rd } else { 0 };
