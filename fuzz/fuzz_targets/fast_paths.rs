@@ -42,7 +42,9 @@ fn run<O: Element, C: Element>(
     layer: usize,
     f: impl FnOnce(&mut [O], &mut KvWrite<'_, C>) -> paged_qkv::Result<()>,
 ) -> Run {
-    let mut cache = PagedKvCache::<C>::from_vec(shape, (0..shape.len()).map(|i| C::from_f32(i as f32 * 0.25 - 3.0)).collect()).unwrap();
+    let mut cache =
+        PagedKvCache::<C>::from_vec(shape, (0..shape.len()).map(|i| C::from_f32(i as f32 * 0.25 - 3.0)).collect())
+            .unwrap();
     let mut out: Vec<O> = (0..out_len).map(|i| O::from_f32(i as f32 * 0.5)).collect();
     let (c0, o0) = (bits(cache.data()), bits(&out));
     let r = {
@@ -151,7 +153,16 @@ fuzz_target!(|data: &[u8]| {
             freqs[i] = f32::from_bits(u32::from_le_bytes([s.byte(), s.byte(), s.byte(), s.byte()]));
         }
     }
-    let ids: Option<Vec<u32>> = (s.below(3) == 0).then(|| (0..m).map(|_| s.below(30) as u32).collect());
+    // Position ids: mostly each its predecessor's plus one (the fast RoPE's runs), else random.
+    let ids: Option<Vec<u32>> = (s.below(3) == 0).then(|| {
+        let mut id = s.below(30);
+        (0..m)
+            .map(|_| {
+                id = if s.below(3) == 0 { s.below(30) } else { id + 1 };
+                id as u32
+            })
+            .collect()
+    });
     let rope = with_rope.then(|| QkvRope {
         freqs_cis: Freqs::F32(&freqs),
         q_head_size: hd,
@@ -169,23 +180,34 @@ fuzz_target!(|data: &[u8]| {
             let rb = format.row_bytes(k);
             let a: Vec<u8> = (0..m * rb).map(|_| s.byte()).collect();
             let w: Vec<u8> = (0..n * rb).map(|_| s.byte()).collect();
-            let sa: Vec<u8> =
-                (0..ScaleLayout::for_operand(m, k, format.vector_size()).len()).map(|_| 0x30 + s.below(16) as u8).collect();
-            let sw: Vec<u8> =
-                (0..ScaleLayout::for_operand(n, k, format.vector_size()).len()).map(|_| 0x30 + s.below(16) as u8).collect();
+            let sa: Vec<u8> = (0..ScaleLayout::for_operand(m, k, format.vector_size()).len())
+                .map(|_| 0x30 + s.below(16) as u8)
+                .collect();
+            let sw: Vec<u8> = (0..ScaleLayout::for_operand(n, k, format.vector_size()).len())
+                .map(|_| 0x30 + s.below(16) as u8)
+                .collect();
             let (Ok(a), Ok(w)) = (QuantizedRef::new(format, m, k, &a, &sa), QuantizedRef::new(format, n, k, &w, &sw))
             else {
                 return;
             };
-            let args = QkvFp4Args { hidden_state: a, input_row_offsets: &offsets, weight: w, tensor_sf: 0.5, q_dim, rope };
+            let args =
+                QkvFp4Args { hidden_state: a, input_row_offsets: &offsets, weight: w, tensor_sf: 0.5, q_dim, rope };
             let out_len = m * q_dim;
-            let fast = all_isas(|e| run::<f32, f32>(shape, out_len, &table, layer, |o, kv| fast::qkv_fp4_ragged(&args, o, kv, e)));
-            let oracle =
-                run::<f32, f32>(shape, out_len, &table, layer, |o, kv| reference::qkv_fp4_ragged(&args, o, kv, Accumulation::Exact));
+            let fast = all_isas(|e| {
+                run::<f32, f32>(shape, out_len, &table, layer, |o, kv| fast::qkv_fp4_ragged(&args, o, kv, e))
+            });
+            let oracle = run::<f32, f32>(shape, out_len, &table, layer, |o, kv| {
+                reference::qkv_fp4_ragged(&args, o, kv, Accumulation::Exact)
+            });
             // Σ|terms|: the oracle on the absolute values (sign bits cleared; NaN codes stay NaN).
-            let strip = |d: &[u8]| -> Vec<u8> { d.iter().map(|&b| if format.is_fp4() { b & 0x77 } else { b & 0x7F }).collect() };
+            let strip = |d: &[u8]| -> Vec<u8> {
+                d.iter().map(|&b| if format.is_fp4() { b & 0x77 } else { b & 0x7F }).collect()
+            };
             let (aa, wa) = (strip(a.data()), strip(w.data()));
-            let (aa, wa) = (QuantizedRef::new(format, m, k, &aa, &sa).unwrap(), QuantizedRef::new(format, n, k, &wa, &sw).unwrap());
+            let (aa, wa) = (
+                QuantizedRef::new(format, m, k, &aa, &sa).unwrap(),
+                QuantizedRef::new(format, n, k, &wa, &sw).unwrap(),
+            );
             let abs_args = QkvFp4Args { hidden_state: aa, weight: wa, rope: None, ..args };
             let abs = run::<f32, f32>(shape, out_len, &table, layer, |o, kv| {
                 reference::qkv_fp4_ragged(&abs_args, o, kv, Accumulation::Exact)
@@ -219,7 +241,9 @@ fuzz_target!(|data: &[u8]| {
                     rope,
                 };
                 let out_len = m * q_dim;
-                let fast = all_isas(|e| run::<f32, f32>(shape, out_len, &table, layer, |o, kv| fast::qkv_ragged(&args, o, kv, e)));
+                let fast = all_isas(|e| {
+                    run::<f32, f32>(shape, out_len, &table, layer, |o, kv| fast::qkv_ragged(&args, o, kv, e))
+                });
                 let oracle = run::<f32, f32>(shape, out_len, &table, layer, |o, kv| {
                     reference::qkv_ragged(&args, o, kv, Accumulation::Exact)
                 });
@@ -239,7 +263,9 @@ fuzz_target!(|data: &[u8]| {
                     rope: rope.map(|r| QkvRope { position_ids: None, ..r }),
                 };
                 let out_len = batch * seq * q_dim;
-                let fast = all_isas(|e| run::<f32, f32>(shape, out_len, &table, layer, |o, kv| fast::qkv_bshd(&args, o, kv, e)));
+                let fast = all_isas(|e| {
+                    run::<f32, f32>(shape, out_len, &table, layer, |o, kv| fast::qkv_bshd(&args, o, kv, e))
+                });
                 let oracle = run::<f32, f32>(shape, out_len, &table, layer, |o, kv| {
                     reference::qkv_bshd(&args, o, kv, Accumulation::Exact)
                 });
@@ -255,7 +281,8 @@ fuzz_target!(|data: &[u8]| {
             let hq = s.below(3) + 1;
             let rd = 2 * (s.below(hd / 2) + 1);
             let q: Vec<bf16> = (0..m * hq * hd).map(|_| bf16::from_f32(s.below(64) as f32 / 8.0 - 4.0)).collect();
-            let f: Vec<bf16> = paged_qkv::freqs_cis(s.below(24) + 1, rd, 1000.0).into_iter().map(bf16::from_f32).collect();
+            let f: Vec<bf16> =
+                paged_qkv::freqs_cis(s.below(24) + 1, rd, 1000.0).into_iter().map(bf16::from_f32).collect();
             let args = RopeRaggedArgs {
                 q_proj: &q,
                 input_row_offsets: &offsets,
@@ -267,8 +294,11 @@ fuzz_target!(|data: &[u8]| {
                 interleaved: s.below(2) == 0,
             };
             let math = if s.below(2) == 0 { RopeMath::F32 } else { RopeMath::MaxCompat };
-            let fast = all_isas(|e| run::<bf16, bf16>(shape, q.len(), &table, layer, |o, kv| fast::rope_ragged(&args, o, kv, math, e)));
-            let oracle = run::<bf16, bf16>(shape, q.len(), &table, layer, |o, kv| reference::rope_ragged(&args, o, kv, math));
+            let fast = all_isas(|e| {
+                run::<bf16, bf16>(shape, q.len(), &table, layer, |o, kv| fast::rope_ragged(&args, o, kv, math, e))
+            });
+            let oracle =
+                run::<bf16, bf16>(shape, q.len(), &table, layer, |o, kv| reference::rope_ragged(&args, o, kv, math));
             assert_eq!(fast, oracle, "rope_ragged");
         }
         // Ragged KV store: bit for bit with the oracle.
@@ -276,7 +306,8 @@ fuzz_target!(|data: &[u8]| {
             let v: Vec<f32> = (0..m * kvw).map(|_| s.below(200) as f32 - 100.0).collect();
             let which = if s.below(2) == 0 { KvSel::K } else { KvSel::V };
             let args = KvStoreRaggedArgs { values: &v, input_row_offsets: &offsets, which };
-            let fast = all_isas(|e| run::<f32, bf16>(shape, 0, &table, layer, |_, kv| fast::kv_store_ragged(&args, kv, e)));
+            let fast =
+                all_isas(|e| run::<f32, bf16>(shape, 0, &table, layer, |_, kv| fast::kv_store_ragged(&args, kv, e)));
             let oracle = run::<f32, bf16>(shape, 0, &table, layer, |_, kv| reference::kv_store_ragged(&args, kv));
             assert_eq!(fast, oracle, "kv_store_ragged");
         }
