@@ -12,7 +12,7 @@ use paged_qkv::fast::{matmul_fp4_packed, qkv_fp4_ragged_packed};
 use paged_qkv::formats::quantize::{amax, dequantize, nvfp4_global_scale, quantize};
 use paged_qkv::formats::{BlockFormat, QuantizedMatrix};
 use paged_qkv::{
-    Accumulation, CacheShape, Exec, Isa, KvWrite, PackedWeights, PageTable, PagedKvCache, QkvFp4Args, QkvFp4PackedArgs,
+    Accumulation, CacheShape, Exec, KvWrite, PackedWeights, PageTable, PagedKvCache, QkvFp4Args, QkvFp4PackedArgs,
     bf16, reference,
 };
 use std::hint::black_box;
@@ -90,11 +90,9 @@ fn w_scale() -> f32 {
     1.0
 }
 
-/// The fast paths' execution: best ISA, or the one named by `PAGED_QKV_BENCH_ISA` (bench-only).
-fn exec() -> Exec {
-    let isa = std::env::var("PAGED_QKV_BENCH_ISA").ok().and_then(|s| Isa::from_name(&s));
-    Exec { isa, ..Exec::default() }
-}
+#[path = "common/exec.rs"]
+mod exec;
+use exec::exec;
 
 fn plain_read(bytes: &[u8]) -> u64 {
     let mut acc = [0u64; 4];

@@ -47,11 +47,9 @@ fn pool(threads: usize) -> rayon::ThreadPool {
     rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap()
 }
 
-/// The fast paths' execution: best ISA, or the one named by `PAGED_QKV_BENCH_ISA` (bench-only).
-fn exec() -> Exec {
-    let isa = std::env::var("PAGED_QKV_BENCH_ISA").ok().and_then(|s| Isa::from_name(&s));
-    Exec { isa, ..Exec::default() }
-}
+#[path = "common/exec.rs"]
+mod exec;
+use exec::exec;
 
 /// A bf16 paged cache and page table for `m` new tokens in one sequence (ragged) or `batch`
 /// sequences of `seq` (BSHD).

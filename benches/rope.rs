@@ -12,9 +12,7 @@ use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterio
 use paged_qkv::fast::{self, PackedPlainWeights, PackedWeights, QkvFp4PackedArgs, QkvRaggedPackedArgs};
 use paged_qkv::formats::quantize::{amax, nvfp4_global_scale, quantize};
 use paged_qkv::ops::{Freqs, QkvRope};
-use paged_qkv::{
-    BlockFormat, CacheShape, Element, Exec, Isa, KvWrite, PageTable, PagedKvCache, RopeMath, RopeRaggedArgs, bf16,
-};
+use paged_qkv::{BlockFormat, CacheShape, Element, KvWrite, PageTable, PagedKvCache, RopeMath, RopeRaggedArgs, bf16};
 use std::hint::black_box;
 use std::time::Duration;
 
@@ -34,10 +32,9 @@ fn pool(threads: usize) -> rayon::ThreadPool {
     rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap()
 }
 
-fn exec() -> Exec {
-    let isa = std::env::var("PAGED_QKV_BENCH_ISA").ok().and_then(|s| Isa::from_name(&s));
-    Exec { isa, ..Exec::default() }
-}
+#[path = "common/exec.rs"]
+mod exec;
+use exec::exec;
 
 fn setup_group<'a>(c: &'a mut Criterion, name: &str) -> BenchmarkGroup<'a, WallTime> {
     let mut g = c.benchmark_group(name);
