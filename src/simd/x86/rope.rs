@@ -763,12 +763,13 @@ unsafe fn heads_half_regs<const K: u8, const N: usize, const CVT: bool, const AC
 /// the head being stored, no better; prefetching the next head's input as well, no better. The
 /// AVX2 token kernel does not: forced on the same core, 2.4× slower per head, it measured no
 /// change (64 Qwen-shaped tokens 4.87–4.92 µs either way).
-#[target_feature(enable = "sse")]
-#[inline]
+#[inline(always)]
 fn prefetch_out(p: *mut u8, bytes: usize) {
     let mut at = 0;
     while at < bytes {
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(at).cast_const().cast());
+        // SAFETY: `_mm_prefetch` is a hint with no memory access semantics (the address may lie
+        // past the output: `wrapping_add`, never dereferenced); SSE is part of x86-64.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(at).cast_const().cast()) };
         at += 64;
     }
 }
