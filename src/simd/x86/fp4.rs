@@ -116,9 +116,7 @@ const PREFETCH: usize = 1024;
 fn prefetch(w: &[u8], off: usize) {
     // wrapping_add: the address may lie past the slice; a prefetch never faults and the pointer
     // is never dereferenced.
-    let p = w.as_ptr().wrapping_add(off);
-    // SAFETY: `_mm_prefetch` is a hint with no memory access semantics; SSE is part of x86-64.
-    unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
+    super::prefetch_t0(w.as_ptr().wrapping_add(off));
 }
 
 #[inline(always)]

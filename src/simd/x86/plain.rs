@@ -59,9 +59,7 @@ const LINE_WORDS: usize = 16;
 /// Prefetches the line at `p` into L1.
 #[inline(always)]
 fn hint(p: *const u32) {
-    // SAFETY: `_mm_prefetch` is a hint with no memory access semantics: `p` may lie anywhere (it
-    // never faults and is never dereferenced); SSE is part of x86-64.
-    unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
+    super::prefetch_t0(p.cast());
 }
 
 /// Rows at which a micro-tile stops streaming (and prefetching) the weight: beyond it the weight

@@ -729,10 +729,11 @@ unsafe fn heads_half_regs<const K: u8, const N: usize, const CVT: bool, const AC
     acc: &mut __m512i,
 ) {
     let (size, hh) = (if K == F32 { 4 } else { 2 }, 32 * N);
+    // The Q heads (rotated out of place) prefetch the next head's output (`prefetch_out`).
+    let out_of_place = src != x.cast_const();
     for h in 0..heads {
         let (from, base) = (src.wrapping_add(2 * h * hh * size), x.wrapping_add(2 * h * hh * size));
-        if ACC {
-            // The next Q head's output (`ACC`: the Q heads, out of place).
+        if out_of_place {
             prefetch_out(base.wrapping_add(2 * hh * size), 2 * hh * size);
         }
         for (b, f) in forms.iter().enumerate() {
@@ -767,9 +768,7 @@ unsafe fn heads_half_regs<const K: u8, const N: usize, const CVT: bool, const AC
 fn prefetch_out(p: *mut u8, bytes: usize) {
     let mut at = 0;
     while at < bytes {
-        // SAFETY: `_mm_prefetch` is a hint with no memory access semantics (the address may lie
-        // past the output: `wrapping_add`, never dereferenced); SSE is part of x86-64.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(at).cast_const().cast()) };
+        super::prefetch_t0(p.wrapping_add(at).cast_const());
         at += 64;
     }
 }
@@ -942,10 +941,11 @@ unsafe fn heads_inter_regs<const K: u8, const N: usize, const CVT: bool, const A
             }
         }
     }
+    // As in `heads_half_regs`.
+    let out_of_place = src != x.cast_const();
     for h in 0..heads {
         let (from, base) = (src.wrapping_add(h * d * size), x.wrapping_add(h * d * size));
-        if ACC {
-            // As in `heads_half_regs`.
+        if out_of_place {
             prefetch_out(base.wrapping_add(d * size), d * size);
         }
         for (b, f) in forms.iter().enumerate() {
