@@ -331,7 +331,7 @@ pub(crate) fn rope_rows<T: Element, F: Element, C: Element>(
     let cache = SharedMut::new(cache);
     let rd = spec.rope_dim;
     // The path is decided once for the call rather than per token: the token kernel where it
-    // applies (AVX-512 or AVX2, heads of 64 or 128 dims, `F32` math, either pairing), else the
+    // applies (AVX-512, AVX2 or NEON, heads of 64 or 128 dims, `F32` math, either pairing), else the
     // prepared half-split kernels (half-split, `F32` math, whole heads of whole vectors), else
     // `RopeSpec::row`. The same kernels and bits either way.
     // Each path gets its own loop: one loop matching on the path per row measured 4–6 % slower

@@ -593,15 +593,15 @@ impl<T: Element, C: Element> HalfRows<T, C> {
     }
 }
 
-/// The token kernels' signature (`token_avx512`, `token_avx2`: `freqs, q, out, hq, k, hk,
-/// tokens, k_stride`).
+/// The token kernels' signature (`token_avx512`, `token_avx2`, `token_neon`: `freqs, q, out,
+/// hq, k, hk, tokens, k_stride`).
 type TokenKernel = unsafe fn(*const u8, *const u8, *mut u8, usize, *mut u8, usize, usize, usize);
 
 /// A token kernel chosen by [`TokenFn::new`] for Q heads of `T`, cache heads of `C` and
 /// freqs of `F`: only `new` makes one, after checking that the kernel's ISA is available
 /// and that it takes these element types, this head size and these head counts.
 pub(crate) struct TokenFn<T, C, F> {
-    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    #[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
     f: TokenKernel,
     hq: usize,
     hk: usize,
@@ -611,10 +611,11 @@ pub(crate) struct TokenFn<T, C, F> {
 }
 
 impl<T: Element, C: Element, F: Element> TokenFn<T, C, F> {
-    /// The token kernel of a call's shape, where one applies: AVX-512 or AVX2, `F32` math, whole
-    /// heads (`rope_dim` equal to both head sizes) of 64 or 128 dims, Q and cache of one type,
-    /// freqs f32 or of that type; either pairing (`token_avx512`, `token_avx2`). The forms stay
-    /// in registers (AVX2: partly on the stack) for all of the token's heads instead of going
+    /// The token kernel of a call's shape, where one applies: AVX-512, AVX2 or NEON, `F32` math,
+    /// whole heads (`rope_dim` equal to both head sizes) of 64 or 128 dims, Q and cache of one
+    /// type, freqs f32 or of that type; either pairing (`token_avx512`, `token_avx2`,
+    /// `token_neon`). The forms stay in registers (AVX2, and NEON with 128-dim heads: partly on
+    /// the stack) for all of the token's heads instead of going
     /// through a per-token buffer, and the call's rows skip the general path's checks and
     /// dispatch. The same operations, so the same bits. Measured: see
     /// README ("RoPE on Zen 5", "Token kernels for both pairings").
@@ -675,7 +676,36 @@ impl<T: Element, C: Element, F: Element> TokenFn<T, C, F> {
             };
             Some(TokenFn { f, hq, hk, rd, types: std::marker::PhantomData })
         }
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(target_arch = "aarch64")]
+        {
+            use super::neon::rope::{BF16, F16, F32, token_neon};
+            let n = rd / 64;
+            if r != Round::None || rd != dq || rd != dk || n * 64 != rd {
+                return None;
+            }
+            macro_rules! pick {
+                ($kq:ident, $kk:ident, $kf:ident) => {
+                    match (interleaved, n) {
+                        (false, 1) => token_neon::<$kq, $kk, $kf, 1, false> as TokenKernel,
+                        (false, 2) => token_neon::<$kq, $kk, $kf, 2, false> as TokenKernel,
+                        (true, 1) => token_neon::<$kq, $kk, $kf, 1, true> as TokenKernel,
+                        (true, 2) => token_neon::<$kq, $kk, $kf, 2, true> as TokenKernel,
+                        _ => return None,
+                    }
+                };
+            }
+            // `neon_kind` is `None` off NEON and for E4M3.
+            let f = match ((neon_kind::<T>(token, r)?, neon_kind::<C>(token, r)?), neon_kind::<F>(token, r)?) {
+                ((BF16, BF16), F32) => pick!(BF16, BF16, F32),
+                ((BF16, BF16), BF16) => pick!(BF16, BF16, BF16),
+                ((F16, F16), F32) => pick!(F16, F16, F32),
+                ((F16, F16), F16) => pick!(F16, F16, F16),
+                ((F32, F32), F32) => pick!(F32, F32, F32),
+                _ => return None,
+            };
+            Some(TokenFn { f, hq, hk, rd, types: std::marker::PhantomData })
+        }
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
         {
             let _ = (token, interleaved, r, rd, hq, dq, hk, dk);
             None
@@ -697,8 +727,9 @@ impl<T: Element, C: Element, F: Element> TokenFn<T, C, F> {
                 && (tokens == 0 || k.len() >= (tokens - 1) * k_stride + kw)
         );
         // SAFETY: `new` made `f` only where the token proves the kernel's ISA (AVX2, FMA and
-        // F16C for `token_avx2`; AVX-512 F and BW for the others, and BF16 for the `CVT`
-        // kernels, which it picks only for `Avx512Bf16`) and the kernel takes F (freqs: a row of
+        // F16C for `token_avx2`; AVX-512 F and BW for `token_avx512`, and BF16 for its `CVT`
+        // kernels, which it picks only for `Avx512Bf16`; NEON for `token_neon`) and the kernel
+        // takes F (freqs: a row of
         // rd = 64 N elements per token, asserted), T (q and out: hq · 64 N per token, asserted;
         // distinct borrows) and C (k: hk · 64 N from `t · k_stride` per token, asserted, rotated
         // in place, `k_stride ≥ hk · 64 N`), the kinds being these types' (the struct's type

@@ -210,16 +210,81 @@ pub(crate) unsafe fn narrow16(src: &[f32], dst: *mut u16, bf16: bool) {
     unsafe { super::super::rope::narrow16_tail(src, dst, i, bf16) }
 }
 
-/// Four pairs `(x0, x1)` with `c`, `s`: the oracle's operations (`rotate_neon`'s half-split
-/// step), rounded after each as `r` says.
+/// Four pairs `(x0, x1)` with `c` and `ns = −s`: the oracle's operations (`rotate_neon`'s
+/// half-split step), rounded after each as `r` says. With `−s` given, no negation is left in the
+/// step: `x1 · (−s)` is the oracle's `−t1` exactly (a product's sign is its factors' and rounding
+/// to nearest even, in f32 and to bf16, is symmetric), so `y0 = fma(x0, c, −t1)` is one `fmla`,
+/// and `y1 = t2 − x0 · (−s)`, one `fmls`, is `fma(x0, s, t2)` (the same exact sum, rounded once).
+/// Two `fneg` fewer in each step of eight pairs (of 30 instructions, bf16 half-split, as
+/// compiled); the token kernel negates its forms once per token.
 #[target_feature(enable = "neon")]
 #[inline]
-fn rot4(x0: float32x4_t, x1: float32x4_t, c: float32x4_t, s: float32x4_t, r: Round) -> (float32x4_t, float32x4_t) {
-    let t1 = round(vmulq_f32(x1, s), r);
-    let y0 = round(vfmaq_f32(vnegq_f32(t1), x0, c), r);
+fn rot4(x0: float32x4_t, x1: float32x4_t, c: float32x4_t, ns: float32x4_t, r: Round) -> (float32x4_t, float32x4_t) {
+    let t1n = round(vmulq_f32(x1, ns), r);
+    let y0 = round(vfmaq_f32(t1n, x0, c), r);
     let t2 = round(vmulq_f32(x1, c), r);
-    let y1 = round(vfmaq_f32(t2, x0, s), r);
+    let y1 = round(vfmsq_f32(t2, x0, ns), r);
     (y0, y1)
+}
+
+/// One step of [`heads_neon`]: pairs `p .. p + 8` (bf16, f16; `c`, `ns` their forms `c` and `−s`,
+/// four pairs per vector) or `p .. p + 4` (f32; the first vector of each) of a head's rotary region (`hh`
+/// pairs) from `from` into `base`: half-split, elements `p ..` of each half; `INTER`, elements
+/// `2p ..` (split and joined by `ld2` / `st2`). The oracle's operations lane by lane.
+///
+/// # Safety
+/// NEON must be available; the step's elements readable at `from` and writable at `base` (the
+/// same head or non-overlapping), `p + 8` (f32: `p + 4`) ≤ `hh`; `r` is not `F16`; NaNs in `c`,
+/// `ns` have zero low 16 bits (for bf16, see [`join_bf16`]).
+#[target_feature(enable = "neon")]
+#[inline]
+unsafe fn step_neon<const K: u8, const INTER: bool>(
+    from: *const u8,
+    base: *mut u8,
+    hh: usize,
+    p: usize,
+    c: [float32x4_t; 2],
+    ns: [float32x4_t; 2],
+    r: Round,
+) {
+    // SAFETY: the caller's contract covers every address below.
+    unsafe {
+        if K != F32 {
+            let (a, b) = if INTER {
+                let v = vld2q_u16(from.add(4 * p).cast());
+                (v.0, v.1)
+            } else {
+                (vld1q_u16(from.add(2 * p).cast()), vld1q_u16(from.add(2 * (hh + p)).cast()))
+            };
+            let widen = if K == BF16 { widen_bf16 } else { widen_f16 };
+            let ((a0, a1), (b0, b1)) = (widen(a), widen(b));
+            let (y0l, y1l) = rot4(round(a0, r), round(b0, r), c[0], ns[0], r);
+            let (y0h, y1h) = rot4(round(a1, r), round(b1, r), c[1], ns[1], r);
+            // `join_bf16`: its NaN precondition holds (see there).
+            let narrow = if K == BF16 { join_bf16 } else { narrow_f16 };
+            let (y0, y1) = (narrow(y0l, y0h), narrow(y1l, y1h));
+            if INTER {
+                vst2q_u16(base.add(4 * p).cast(), uint16x8x2_t(y0, y1));
+            } else {
+                vst1q_u16(base.add(2 * p).cast(), y0);
+                vst1q_u16(base.add(2 * (hh + p)).cast(), y1);
+            }
+        } else {
+            let (x0, x1) = if INTER {
+                let v = vld2q_f32(from.add(8 * p).cast());
+                (v.0, v.1)
+            } else {
+                (vld1q_f32(from.add(4 * p).cast()), vld1q_f32(from.add(4 * (hh + p)).cast()))
+            };
+            let (y0, y1) = rot4(round(x0, r), round(x1, r), c[0], ns[0], r);
+            if INTER {
+                vst2q_f32(base.add(8 * p).cast(), float32x4x2_t(y0, y1));
+            } else {
+                vst1q_f32(base.add(4 * p).cast(), y0);
+                vst1q_f32(base.add(4 * (hh + p)).cast(), y1);
+            }
+        }
+    }
 }
 
 /// Rotates the rotary region of `heads` heads of `d` elements of kind `K` (bf16, f16 or f32) from
@@ -256,50 +321,134 @@ pub(crate) unsafe fn heads_neon<const K: u8, const INTER: bool>(
     for h in 0..heads {
         let (base, from) = (x.wrapping_add((h * d + at) * size), src.wrapping_add((h * d + at) * size));
         for p in (0..done).step_by(step) {
-            // SAFETY: pairs p .. p + step (≤ hh) of the head's rotary region: interleaved,
-            // elements 2p .. 2p + 2 step of rd; half-split, elements p .. p + step of each half
-            // (hh long); and values p .. p + step of c and s (hh long).
+            // SAFETY: pairs p .. p + step (≤ hh) of the head's rotary region, as `step_neon`
+            // needs; values p .. p + step of c and s (hh long; f32 reads only the first vector).
             unsafe {
-                if K != F32 {
-                    let (a, b) = if interleaved {
-                        let v = vld2q_u16(from.add(4 * p).cast());
-                        (v.0, v.1)
-                    } else {
-                        (vld1q_u16(from.add(2 * p).cast()), vld1q_u16(from.add(2 * (hh + p)).cast()))
-                    };
-                    let widen = if K == BF16 { widen_bf16 } else { widen_f16 };
-                    let ((a0, a1), (b0, b1)) = (widen(a), widen(b));
-                    let (c0, c1) = (vld1q_f32(c.add(p)), vld1q_f32(c.add(p + 4)));
-                    let (s0, s1) = (vld1q_f32(s.add(p)), vld1q_f32(s.add(p + 4)));
-                    let (y0l, y1l) = rot4(round(a0, r), round(b0, r), c0, s0, r);
-                    let (y0h, y1h) = rot4(round(a1, r), round(b1, r), c1, s1, r);
-                    // `join_bf16`: its NaN precondition holds (see there).
-                    let narrow = if K == BF16 { join_bf16 } else { narrow_f16 };
-                    let (y0, y1) = (narrow(y0l, y0h), narrow(y1l, y1h));
-                    if interleaved {
-                        vst2q_u16(base.add(4 * p).cast(), uint16x8x2_t(y0, y1));
-                    } else {
-                        vst1q_u16(base.add(2 * p).cast(), y0);
-                        vst1q_u16(base.add(2 * (hh + p)).cast(), y1);
-                    }
-                } else {
-                    let (x0, x1) = if interleaved {
-                        let v = vld2q_f32(from.add(8 * p).cast());
-                        (v.0, v.1)
-                    } else {
-                        (vld1q_f32(from.add(4 * p).cast()), vld1q_f32(from.add(4 * (hh + p)).cast()))
-                    };
-                    let (cv, sv) = (vld1q_f32(c.add(p)), vld1q_f32(s.add(p)));
-                    let (y0, y1) = rot4(round(x0, r), round(x1, r), cv, sv, r);
-                    if interleaved {
-                        vst2q_f32(base.add(8 * p).cast(), float32x4x2_t(y0, y1));
-                    } else {
-                        vst1q_f32(base.add(4 * p).cast(), y0);
-                        vst1q_f32(base.add(4 * (hh + p)).cast(), y1);
-                    }
-                }
+                let load = |f: *const f32| {
+                    let hi = if K == F32 { vdupq_n_f32(0.0) } else { vld1q_f32(f.add(p + 4)) };
+                    [vld1q_f32(f.add(p)), hi]
+                };
+                let ([c0, c1], [s0, s1]) = (load(c), load(s));
+                step_neon::<K, INTER>(from, base, hh, p, [c0, c1], [vnegq_f32(s0), vnegq_f32(s1)], r);
             }
         }
     }
     done
+}
+
+/// The forms of one 32-pair chunk of a freqs row in registers: `c` and `−s` (as [`rot4`] takes
+/// them) of pairs `4 j .. 4 j + 4` in vector `j` of each — [`RopeRow::fill`]'s `c` and `s`
+/// values for the chunk, `s` negated.
+#[derive(Clone, Copy)]
+struct Chunk {
+    c: [float32x4_t; 8],
+    ns: [float32x4_t; 8],
+}
+
+/// Every NaN lane of `v` made the default NaN (`f32::NAN`, as [`RopeRow::fill`] does), the others
+/// kept.
+#[target_feature(enable = "neon")]
+#[inline]
+fn default_nan(v: float32x4_t) -> float32x4_t {
+    vbslq_f32(vceqq_f32(v, v), v, vdupq_n_f32(f32::NAN))
+}
+
+/// [`Chunk`] of the 64 freqs (`c0, s0, c1, s1, …`) of kind `KF` at `p`: de-interleaved by the
+/// loads (`ld2`), widened exactly, NaN made the default NaN, `s` negated (a NaN's sign flips:
+/// NaN sign and payload are outside the bit-exact promise, and its low bits stay zero).
+///
+/// # Safety
+/// NEON must be available; 64 readable elements of kind `KF` at `p`.
+#[target_feature(enable = "neon")]
+#[inline]
+unsafe fn chunk<const KF: u8>(p: *const u8) -> Chunk {
+    let zero = vdupq_n_f32(0.0);
+    let mut k = Chunk { c: [zero; 8], ns: [zero; 8] };
+    if KF == F32 {
+        for j in 0..8 {
+            // SAFETY: elements 8 j .. 8 j + 8 of the 64 at p.
+            let v = unsafe { vld2q_f32(p.add(32 * j).cast()) };
+            (k.c[j], k.ns[j]) = (default_nan(v.0), vnegq_f32(default_nan(v.1)));
+        }
+    } else {
+        let widen = if KF == BF16 { widen_bf16 } else { widen_f16 };
+        for j in 0..4 {
+            // SAFETY: elements 16 j .. 16 j + 16 of the 64 at p.
+            let v = unsafe { vld2q_u16(p.add(32 * j).cast()) };
+            let ((c0, c1), (s0, s1)) = (widen(v.0), widen(v.1));
+            (k.c[2 * j], k.c[2 * j + 1]) = (default_nan(c0), default_nan(c1));
+            (k.ns[2 * j], k.ns[2 * j + 1]) = (vnegq_f32(default_nan(s0)), vnegq_f32(default_nan(s1)));
+        }
+    }
+    k
+}
+
+/// One token of the standalone RoPE with whole heads of `64 N` dims in `F32` math, on NEON: the
+/// freqs row of kind `KF` read once into registers ([`Chunk`]; for `N = 2` the compiler keeps
+/// what the 32 registers allow and the rest on the stack), the Q heads (kind `KQ`) from `q` into
+/// `out`, the K heads (kind `KK`) in place at `k`, half-split or (`INTER`) interleaved pairs —
+/// [`heads_neon`]'s steps on the forms [`RopeRow::fill`] would have stored, so the same bits,
+/// without the per-token buffer and the general path's per-row checks and dispatch. `tokens`
+/// consecutive tokens in one call (a run), as the x86 token kernels take them.
+///
+/// # Safety
+/// NEON must be available; for each token `t < tokens`: `freqs` holds `64 N` elements of kind
+/// `KF` from element `64 N t`; `q` and `out` hold `hq · 64 N` elements of kind `KQ` from element
+/// `hq · 64 N · t` and do not overlap; `k` holds `hk · 64 N` of kind `KK` from element
+/// `k_stride · t`, and `k_stride ≥ hk · 64 N`.
+#[target_feature(enable = "neon")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn token_neon<const KQ: u8, const KK: u8, const KF: u8, const N: usize, const INTER: bool>(
+    freqs: *const u8,
+    q: *const u8,
+    out: *mut u8,
+    hq: usize,
+    k: *mut u8,
+    hk: usize,
+    tokens: usize,
+    k_stride: usize,
+) {
+    let size = |kind: u8| if kind == F32 { 4 } else { 2 };
+    let (fsize, qrow, krow) = (size(KF), hq * 64 * N * size(KQ), k_stride * size(KK));
+    for t in 0..tokens {
+        // SAFETY: token t's freqs, Q, output and K rows as the contract says (chunk b's 64 freqs
+        // at 64 b of the row's 64 N, b < N).
+        unsafe {
+            let (freqs, q, out, k) =
+                (freqs.add(t * 64 * N * fsize), q.add(t * qrow), out.add(t * qrow), k.add(t * krow));
+            let forms: [Chunk; N] = std::array::from_fn(|b| chunk::<KF>(freqs.add(64 * b * fsize)));
+            token_heads::<KQ, N, INTER>(q, out, hq, &forms);
+            token_heads::<KK, N, INTER>(k, k, hk, &forms);
+        }
+    }
+}
+
+/// [`token_neon`]'s heads: `heads` heads of `64 N` dims of kind `K` from `src` into `x` by
+/// [`step_neon`] on the chunks' forms.
+///
+/// # Safety
+/// NEON must be available; `src` and `x` each hold `heads · 64 N` elements of kind `K` and
+/// either are the same pointer or do not overlap; the forms' NaNs are the default NaN.
+#[target_feature(enable = "neon")]
+#[inline]
+unsafe fn token_heads<const K: u8, const N: usize, const INTER: bool>(
+    src: *const u8,
+    x: *mut u8,
+    heads: usize,
+    forms: &[Chunk; N],
+) {
+    let (size, hh) = (if K == F32 { 4 } else { 2 }, 32 * N);
+    for h in 0..heads {
+        let (from, base) = (src.wrapping_add(2 * h * hh * size), x.wrapping_add(2 * h * hh * size));
+        for (b, f) in forms.iter().enumerate() {
+            for j in (0..8).step_by(if K == F32 { 1 } else { 2 }) {
+                let p = 32 * b + 4 * j;
+                let (c, ns) =
+                    if K == F32 { ([f.c[j]; 2], [f.ns[j]; 2]) } else { ([f.c[j], f.c[j + 1]], [f.ns[j], f.ns[j + 1]]) };
+                // SAFETY: pairs p .. p + 8 (f32: p + 4) ≤ 32 b + 32 ≤ hh of head h (2 hh = 64 N
+                // elements), within `src` and `x`; the forms' NaNs are the default NaN.
+                unsafe { step_neon::<K, INTER>(from, base, hh, p, c, ns, Round::None) };
+            }
+        }
+    }
 }
