@@ -12,7 +12,10 @@ use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterio
 use paged_qkv::fast::{self, PackedPlainWeights, PackedWeights, QkvFp4PackedArgs, QkvRaggedPackedArgs};
 use paged_qkv::formats::quantize::{amax, nvfp4_global_scale, quantize};
 use paged_qkv::ops::{Freqs, QkvRope};
-use paged_qkv::{BlockFormat, CacheShape, Element, KvWrite, PageTable, PagedKvCache, RopeMath, RopeRaggedArgs, bf16};
+use paged_qkv::{
+    BlockFormat, CacheShape, Element, KvSel, KvStoreRaggedArgs, KvWrite, PageTable, PagedKvCache, RopeMath,
+    RopeRaggedArgs, bf16,
+};
 use std::hint::black_box;
 use std::time::Duration;
 
@@ -248,5 +251,39 @@ fn fused(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, standalone_all, fused);
+/// The ragged KV store (bf16 values into a bf16 cache, the K part of a sequence's new tokens)
+/// against a copy of the same bytes (read the values, write the cache rows), paired.
+fn kv_store(c: &mut Criterion) {
+    for m in [LLAMA, QWEN] {
+        for tokens in [64usize, 512, 4096] {
+            let width = m.hkv * m.hd;
+            let vals: Vec<bf16> = random(tokens * width, 1);
+            let mut cache = cache_for::<bf16>(&m, tokens);
+            let mut bufs = CopyBufs::<bf16>::new(tokens * width, 2);
+            let offs = [0, tokens as u32];
+            let bytes = (2 * tokens * width * size_of::<bf16>()) as u64;
+            let gname = format!("paired/kv_store/{}/bf16/t{tokens}/bytes", m.name);
+            let mut g = setup_group(c, &gname);
+            for threads in [1usize, 2] {
+                let p = pool(threads);
+                let mut kern = || {
+                    let args = KvStoreRaggedArgs { values: &vals, input_row_offsets: &offs, which: KvSel::K };
+                    fast::kv_store_ragged(&args, &mut cache.kv(), exec()).unwrap()
+                };
+                let mut base = || bufs.copy(threads);
+                let id = format!("kv_store_t{threads}");
+                paired::run(
+                    &mut g,
+                    &gname,
+                    &p,
+                    Side { name: &id, work: bytes, run: &mut kern },
+                    Side { name: &format!("copy_t{threads}"), work: bytes, run: &mut base },
+                );
+            }
+            g.finish();
+        }
+    }
+}
+
+criterion_group!(benches, standalone_all, fused, kv_store);
 criterion_main!(benches);

@@ -16,7 +16,7 @@ use crate::element::Element;
 use crate::ops::RopeMath;
 use crate::pool::Pooled;
 use crate::simd::IsaToken;
-use crate::simd::rope::{HalfRows, RopeRow, Round, TokenFn, narrow, rotate_heads, rotate_heads_from, widen};
+use crate::simd::rope::{HalfRows, RopeRow, Round, TokenFn, convert, rotate_heads, rotate_heads_from};
 
 /// The first element of each row's slot in layer `layer`, plus `offset` (the V part, or 0).
 pub(crate) fn slot_bases(plan: &SlotPlan, shape: &CacheShape, layer: usize, offset: usize) -> Pooled<Option<usize>> {
@@ -363,7 +363,11 @@ pub(crate) fn rope_rows<T: Element, F: Element, C: Element>(
 }
 
 /// Runs a validated KV store: every row with a slot (`slots`) writes its `width` values, from
-/// `offset` past the slot's first element (the V part, or 0), rounded once to the cache dtype.
+/// `offset` past the slot's first element (the V part's distance from the K part, or 0), rounded
+/// once to the cache dtype. Where a run's slots lie `width` apart (consecutive cache positions in
+/// one page: the cache's slots of one block and layer are contiguous), the run's rows are
+/// converted as one stretch of values (the per-row lookup and call were most of a row's time for
+/// small rows: see README, "KV stores").
 pub(crate) fn store_rows<T: Element, C: Element>(
     token: IsaToken,
     parallel: bool,
@@ -379,15 +383,20 @@ pub(crate) fn store_rows<T: Element, C: Element>(
     // The rows of `values` are read-only: `for_rows` walks a slice of units, one per row (a
     // `Vec<()>` never allocates).
     let mut rows = vec![(); values.len() / width];
-    for_rows::<_, _, false>(parallel, &mut rows, 1, slots, |r, (base, _, _), bufs, _| {
+    let job = |r: usize, (base, _, n): (usize, usize, usize), bufs: &mut Bufs, _: &mut [()]| {
         // SAFETY: as in `slot_rows`: distinct rows have disjoint slots, each holding its K and V
-        // parts of `width` values (`offset` is 0 or the width of the K part).
-        let dst = unsafe { cache.slice_mut(base + offset, width) };
-        // Through f32 also for equal types: the oracle's `C::from_f32(v.to_f32())`, NaNs included.
-        bufs.0.resize(width, 0.0);
-        widen(token, &values[r * width..(r + 1) * width], &mut bufs.0);
-        narrow(token, &bufs.0, dst);
-    });
+        // parts of `width` values (`offset` apart); a run's n rows (n > 1 only where the slots
+        // lie `width` apart, `runs` below) have the parts `base + offset + i · width`, which the
+        // n · width values from `base + offset` cover exactly.
+        let dst = unsafe { cache.slice_mut(base + offset, n * width) };
+        // The oracle's `C::from_f32(v.to_f32())`, NaNs included, directly where it can be.
+        convert(token, &values[r * width..(r + n) * width], dst, &mut bufs.0);
+    };
+    let runs = slots.stride() == width;
+    match runs {
+        true => for_rows::<_, _, true>(parallel, &mut rows, 1, slots, job),
+        false => for_rows::<_, _, false>(parallel, &mut rows, 1, slots, job),
+    }
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 use super::{Isa, IsaToken};
 use crate::DType;
 use crate::element::Element;
+use std::any::TypeId;
 
 /// The rounding `MaxCompat` applies after each operation (to the freqs dtype); `F32` math rounds
 /// nothing until the destination.
@@ -233,6 +234,95 @@ pub(crate) unsafe fn narrow16_tail(src: &[f32], dst: *mut u16, from: usize, bf16
         let b = if bf16 { half::bf16::from_f32(*s).to_bits() } else { half::f16::from_f32(*s).to_bits() };
         // SAFETY: j < src.len().
         unsafe { *dst.add(j) = b };
+    }
+}
+
+/// `dst[j] = src[j]` for `j` in `from .. n`, a NaN made quiet through `half` (the oracle's
+/// conversion): the SIMD `copy16` kernels' tail.
+///
+/// # Safety
+/// `src` points at `n` readable u16 and `dst` at `n` writable u16.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+pub(crate) unsafe fn copy16_tail(src: *const u16, dst: *mut u16, n: usize, from: usize, bf16: bool) {
+    for j in from..n {
+        // SAFETY: j < n.
+        unsafe {
+            let b = *src.add(j);
+            *dst.add(j) = if bf16 {
+                half::bf16::from_f32(half::bf16::from_bits(b).to_f32()).to_bits()
+            } else {
+                half::f16::from_f32(half::f16::from_bits(b).to_f32()).to_bits()
+            };
+        }
+    }
+}
+
+/// `s` as a slice of `B` where `A` is `B` (the same type, by `TypeId`).
+fn same_type<A: 'static, B: 'static>(s: &[A]) -> Option<&[B]> {
+    // SAFETY: A and B are one type, so the slice is `s.len()` values of B at the same address.
+    (TypeId::of::<A>() == TypeId::of::<B>()).then(|| unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), s.len()) })
+}
+
+/// [`same_type`] for a mutable slice.
+fn same_type_mut<A: 'static, B: 'static>(s: &mut [A]) -> Option<&mut [B]> {
+    // SAFETY: as in `same_type`; the returned borrow takes over `s`'s.
+    (TypeId::of::<A>() == TypeId::of::<B>())
+        .then(|| unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), s.len()) })
+}
+
+/// `dst[i] = C::from_f32(src[i].to_f32())`: the oracle's KV-store conversion (round once to the
+/// cache's type), the same bits, without the f32 round trip where it is not needed: within one
+/// 16-bit type a copy that quiets NaNs (`copy16`), within f32 a copy, from f32 [`narrow`], into
+/// f32 [`widen`]; otherwise (between bf16 and f16, and E4M3) through `buf`. Measured: see README
+/// ("KV stores").
+pub(crate) fn convert<T: Element, C: Element>(token: IsaToken, src: &[T], dst: &mut [C], buf: &mut Vec<f32>) {
+    assert_eq!(src.len(), dst.len());
+    if let Some(s) = same_type::<T, C>(src) {
+        match C::DTYPE {
+            DType::F32 => return dst.copy_from_slice(s),
+            DType::BF16 | DType::F16 => return copy16(token, s, dst),
+            DType::F8E4M3 => {}
+        }
+    }
+    if let Some(s) = same_type::<T, f32>(src) {
+        return narrow(token, s, dst);
+    }
+    if let Some(d) = same_type_mut::<C, f32>(dst) {
+        return widen(token, src, d);
+    }
+    buf.resize(src.len(), 0.0);
+    widen(token, src, buf);
+    narrow(token, buf, dst);
+}
+
+/// `dst[i] = T::from_f32(src[i].to_f32())` for a 16-bit type `T`: a copy, NaNs made quiet.
+fn copy16<T: Element>(token: IsaToken, src: &[T], dst: &mut [T]) {
+    assert!(src.len() == dst.len() && matches!(T::DTYPE, DType::BF16 | DType::F16));
+    let (s, d, n, bf16) =
+        (src.as_ptr().cast::<u16>(), dst.as_mut_ptr().cast::<u16>(), src.len(), T::DTYPE == DType::BF16);
+    #[cfg(target_arch = "x86_64")]
+    if matches!(token.0, Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16) {
+        // SAFETY: the token proves AVX2 was detected (and AVX-512 F and BW for the AVX-512
+        // levels); T is a 16-bit type (asserted), so `src` and `dst` are n u16 values each.
+        unsafe {
+            if token.0 == Isa::Avx2 {
+                super::x86::rope::copy16(s, d, n, bf16)
+            } else {
+                super::x86::rope::copy16_avx512(s, d, n, bf16)
+            }
+        };
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
+    if matches!(token.0, Isa::Neon | Isa::NeonDotprod | Isa::NeonI8mm) {
+        // SAFETY: the token proves NEON was detected; T is a 16-bit type (asserted), so `src` and
+        // `dst` are n u16 values each.
+        unsafe { super::neon::rope::copy16(s, d, n, bf16) };
+        return;
+    }
+    let _ = (token, s, d, n, bf16);
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = T::from_f32(s.to_f32());
     }
 }
 

@@ -993,6 +993,83 @@ fn kv_stores_edge_values_every_isa() {
     go!(paged_qkv::E4M3);
 }
 
+/// KV stores into a cache of the values' own type (the fast path copies, quieting NaNs, instead of
+/// converting through f32) equal the oracle bit for bit on every ISA, NaN payloads and signalling
+/// NaNs included (the oracle's `from_f32(to_f32(v))` sets a 16-bit NaN's quiet bit and keeps its
+/// payload; f32 is kept as it is): zeros of both signs, subnormals, the largest finite values,
+/// infinities, NaNs of every kind, ordinary values; rows of 40 values (whole vectors and a tail)
+/// in runs of consecutive slots that cross pages of 4, ragged and padded, K and V.
+#[test]
+fn kv_stores_same_type_exact_bits_every_isa() {
+    fn check<T: Element>(rng: &mut Rng, special: &[u32], random_bits: u32) {
+        let shape = CacheShape::mha(32, 2, 4, 2, 20).unwrap();
+        let (lens, cl) = ([7usize, 0, 10], [2u32, 0, 3]);
+        let pg = pages(rng, &cl, &lens, 4, 32);
+        let m: usize = lens.iter().sum();
+        let value = |rng: &mut Rng| -> T {
+            if rng.below(3) == 0 {
+                T::from_bits(special[rng.below(special.len())])
+            } else {
+                T::from_bits(rng.below(random_bits as usize + 1) as u32)
+            }
+        };
+        let vals: Vec<T> = (0..m * 40).map(|_| value(rng)).collect();
+        let padded: Vec<T> = (0..3 * 10 * 40).map(|_| value(rng)).collect();
+        let offs = offsets(&lens);
+        for which in [KvSel::K, KvSel::V] {
+            for ragged in [true, false] {
+                let run = |e: Option<Exec>| {
+                    let mut cache: PagedKvCache<T> = random_cache(&mut Rng::new(2), shape);
+                    let table = PageTable::new(&pg.lookup, pg.cols, &pg.cache_lengths).unwrap();
+                    let mut kv = KvWrite::new(cache.view_mut(), table, 1);
+                    if ragged {
+                        let a = KvStoreRaggedArgs { values: &vals, input_row_offsets: &offs, which };
+                        match e {
+                            Some(e) => fast::kv_store_ragged(&a, &mut kv, e).unwrap(),
+                            None => reference::kv_store_ragged(&a, &mut kv).unwrap(),
+                        }
+                    } else {
+                        let valid = [7, 0, 10];
+                        let a =
+                            KvStoreBshdArgs { values: &padded, batch: 3, seq_len: 10, valid_lengths: &valid, which };
+                        match e {
+                            Some(e) => fast::kv_store_bshd(&a, &mut kv, e).unwrap(),
+                            None => reference::kv_store_bshd(&a, &mut kv).unwrap(),
+                        }
+                    }
+                    bits(cache.data())
+                };
+                let want = run(None);
+                for e in execs() {
+                    assert_eq!(run(Some(e)), want, "{e:?} {which:?} ragged {ragged} {}", T::DTYPE.name());
+                }
+            }
+        }
+    }
+    let mut rng = Rng::new(78);
+    // bf16: ±0, subnormals, the largest finite, ±infinity, signalling and quiet NaNs with payloads.
+    let bf16_special =
+        [0x0000, 0x8000, 0x0001, 0x807F, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80, 0x7F81, 0xFFBF, 0x7FC0, 0xFFFF, 0x7FA5];
+    check::<bf16>(&mut rng, &bf16_special, 0xFFFF);
+    let f16_special =
+        [0x0000, 0x8000, 0x0001, 0x83FF, 0x7BFF, 0xFBFF, 0x7C00, 0xFC00, 0x7C01, 0xFDFF, 0x7E00, 0xFFFF, 0x7D2A];
+    check::<f16>(&mut rng, &f16_special, 0xFFFF);
+    let f32_special = [
+        0,
+        0x8000_0000,
+        1,
+        0x807F_FFFF,
+        0x7F7F_FFFF,
+        0x7F80_0000,
+        0xFF80_0000,
+        0x7F80_0001,
+        0xFFBF_FFFF,
+        0x7FC0_0000,
+        0xFFFF_FFFF,
+    ];
+    check::<f32>(&mut rng, &f32_special, u32::MAX);
+}
+
 /// A KV store followed by a RoPE on the same cache, ragged or padded (bf16 values and Q).
 enum StoreThenRope<'a> {
     Ragged(KvStoreRaggedArgs<'a, bf16>, RopeRaggedArgs<'a, bf16, f32>),

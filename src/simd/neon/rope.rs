@@ -210,6 +210,29 @@ pub(crate) unsafe fn narrow16(src: &[f32], dst: *mut u16, bf16: bool) {
     unsafe { super::super::rope::narrow16_tail(src, dst, i, bf16) }
 }
 
+/// `dst[i] = src[i]` for bf16 (`bf16`) or f16 bits, a NaN made quiet (its quiet bit set), eight
+/// at a time: the x86 `copy16`.
+///
+/// # Safety
+/// NEON must be available; `src` points at `n` readable u16 and `dst` at `n` writable u16.
+#[target_feature(enable = "neon")]
+pub(crate) unsafe fn copy16(src: *const u16, dst: *mut u16, n: usize, bf16: bool) {
+    let (inf, quiet) = if bf16 { (0x7F80, 0x0040) } else { (0x7C00, 0x0200) };
+    let (abs, inf, quiet) = (vdupq_n_u16(0x7FFF), vdupq_n_u16(inf), vdupq_n_u16(quiet));
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: 8 u16 at src + i and at dst + i are in bounds (i + 8 ≤ n).
+        unsafe {
+            let v = vld1q_u16(src.add(i));
+            let nan = vcgtq_u16(vandq_u16(v, abs), inf);
+            vst1q_u16(dst.add(i), vorrq_u16(v, vandq_u16(nan, quiet)));
+        }
+        i += 8;
+    }
+    // SAFETY: the caller's contract, from element i on.
+    unsafe { super::super::rope::copy16_tail(src, dst, n, i, bf16) }
+}
+
 /// Four pairs `(x0, x1)` with `c` and `ns = −s`: the oracle's operations (`rotate_neon`'s
 /// half-split step), rounded after each as `r` says. With `−s` given, no negation is left in the
 /// step: `x1 · (−s)` is the oracle's `−t1` exactly (a product's sign is its factors' and rounding

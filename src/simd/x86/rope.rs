@@ -294,6 +294,54 @@ pub(crate) unsafe fn narrow16(src: &[f32], dst: *mut u16, bf16: bool) {
     unsafe { super::super::rope::narrow16_tail(src, dst, i, bf16) }
 }
 
+/// `dst[i] = src[i]` for bf16 (`bf16`) or f16 bits, a NaN made quiet (its quiet bit set): the
+/// oracle's `from_f32(to_f32(v))` within one 16-bit type, which is exact for every other value
+/// (the KV stores of a cache's own type).
+///
+/// # Safety
+/// AVX2 must be available; `src` points at `n` readable u16 and `dst` at `n` writable u16.
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn copy16(src: *const u16, dst: *mut u16, n: usize, bf16: bool) {
+    let (inf, quiet) = if bf16 { (0x7F80, 0x0040) } else { (0x7C00, 0x0200) };
+    let (abs, inf, quiet) = (_mm256_set1_epi16(0x7FFF), _mm256_set1_epi16(inf), _mm256_set1_epi16(quiet));
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY: 16 u16 at src + i and at dst + i are in bounds (i + 16 ≤ n).
+        unsafe {
+            let v = _mm256_loadu_si256(src.add(i).cast());
+            // NaN: magnitude above infinity's (a signed compare: both are below 0x8000).
+            let nan = _mm256_cmpgt_epi16(_mm256_and_si256(v, abs), inf);
+            _mm256_storeu_si256(dst.add(i).cast(), _mm256_or_si256(v, _mm256_and_si256(nan, quiet)));
+        }
+        i += 16;
+    }
+    // SAFETY: the caller's contract, from element i on.
+    unsafe { super::super::rope::copy16_tail(src, dst, n, i, bf16) }
+}
+
+/// [`copy16`] on AVX-512, 32 at a time (64-byte loads and stores: a store-bound copy).
+///
+/// # Safety
+/// AVX-512 F and BW must be available; otherwise as [`copy16`].
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(crate) unsafe fn copy16_avx512(src: *const u16, dst: *mut u16, n: usize, bf16: bool) {
+    let (inf, quiet) = if bf16 { (0x7F80, 0x0040) } else { (0x7C00, 0x0200) };
+    let (abs, inf, quiet) = (_mm512_set1_epi16(0x7FFF), _mm512_set1_epi16(inf), _mm512_set1_epi16(quiet));
+    let mut i = 0;
+    while i + 32 <= n {
+        // SAFETY: 32 u16 at src + i and at dst + i are in bounds (i + 32 ≤ n).
+        unsafe {
+            let v = _mm512_loadu_si512(src.add(i).cast());
+            let nan = _mm512_cmpgt_epu16_mask(_mm512_and_si512(v, abs), inf);
+            _mm512_storeu_si512(dst.add(i).cast(), _mm512_mask_blend_epi16(nan, v, _mm512_or_si512(v, quiet)));
+        }
+        i += 32;
+    }
+    // SAFETY: the caller's contract, from element i on (AVX2 is part of every AVX-512 level
+    // these kernels run on).
+    unsafe { copy16(src.add(i), dst.add(i), n - i, bf16) }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Whole heads in place (the standalone RoPE's inner loop): load the element type, rotate, store,
 // with no intermediate buffer.
