@@ -798,6 +798,39 @@ fn rope_errors_write_nothing() {
     }
 }
 
+/// One KV store into a fresh cache of `shape` (random values, the same for every call) by the fast
+/// path with `e` or by the oracle (`None`): ragged (`vals` in rows `offs`), or padded (`padded`,
+/// `batch × seq_len` rows, `valid` lengths); the cache's bits after it.
+#[allow(clippy::too_many_arguments)]
+fn kv_store_bits<T: Element, C: Element>(
+    e: Option<Exec>,
+    shape: CacheShape,
+    pg: &Pages,
+    which: KvSel,
+    ragged: (&[T], &[u32]),
+    padded: (&[T], usize, usize, &[u32]),
+    use_ragged: bool,
+) -> Vec<u32> {
+    let mut cache: PagedKvCache<C> = random_cache(&mut Rng::new(2), shape);
+    let table = PageTable::new(&pg.lookup, pg.cols, &pg.cache_lengths).unwrap();
+    let mut kv = KvWrite::new(cache.view_mut(), table, 1);
+    if use_ragged {
+        let a = KvStoreRaggedArgs { values: ragged.0, input_row_offsets: ragged.1, which };
+        match e {
+            Some(e) => fast::kv_store_ragged(&a, &mut kv, e).unwrap(),
+            None => reference::kv_store_ragged(&a, &mut kv).unwrap(),
+        }
+    } else {
+        let (values, batch, seq_len, valid_lengths) = padded;
+        let a = KvStoreBshdArgs { values, batch, seq_len, valid_lengths, which };
+        match e {
+            Some(e) => fast::kv_store_bshd(&a, &mut kv, e).unwrap(),
+            None => reference::kv_store_bshd(&a, &mut kv).unwrap(),
+        }
+    }
+    bits(cache.data())
+}
+
 /// The fast KV stores equal the oracle's bit for bit (every ISA, K and V, ragged and padded,
 /// every cache dtype from bf16 values).
 #[test]
@@ -815,24 +848,8 @@ fn kv_stores_every_isa() {
         ($c:ty) => {
             for which in [KvSel::K, KvSel::V] {
                 let run = |e: Option<Exec>, ragged: bool| {
-                    let mut cache: PagedKvCache<$c> = random_cache(&mut Rng::new(2), shape);
-                    let table = PageTable::new(&pg.lookup, pg.cols, &pg.cache_lengths).unwrap();
-                    let mut kv = KvWrite::new(cache.view_mut(), table, 1);
-                    if ragged {
-                        let a = KvStoreRaggedArgs { values: &vals, input_row_offsets: &offs, which };
-                        match e {
-                            Some(e) => fast::kv_store_ragged(&a, &mut kv, e).unwrap(),
-                            None => reference::kv_store_ragged(&a, &mut kv).unwrap(),
-                        }
-                    } else {
-                        let a =
-                            KvStoreBshdArgs { values: &padded, batch: 3, seq_len: 9, valid_lengths: &[3, 0, 9], which };
-                        match e {
-                            Some(e) => fast::kv_store_bshd(&a, &mut kv, e).unwrap(),
-                            None => reference::kv_store_bshd(&a, &mut kv).unwrap(),
-                        }
-                    }
-                    bits(cache.data())
+                    let padded = (&padded[..], 3, 9, &[3, 0, 9][..]);
+                    kv_store_bits::<bf16, $c>(e, shape, &pg, which, (&vals, &offs), padded, ragged)
                 };
                 for ragged in [true, false] {
                     let want = run(None, ragged);
@@ -1019,25 +1036,8 @@ fn kv_stores_same_type_exact_bits_every_isa() {
         for which in [KvSel::K, KvSel::V] {
             for ragged in [true, false] {
                 let run = |e: Option<Exec>| {
-                    let mut cache: PagedKvCache<T> = random_cache(&mut Rng::new(2), shape);
-                    let table = PageTable::new(&pg.lookup, pg.cols, &pg.cache_lengths).unwrap();
-                    let mut kv = KvWrite::new(cache.view_mut(), table, 1);
-                    if ragged {
-                        let a = KvStoreRaggedArgs { values: &vals, input_row_offsets: &offs, which };
-                        match e {
-                            Some(e) => fast::kv_store_ragged(&a, &mut kv, e).unwrap(),
-                            None => reference::kv_store_ragged(&a, &mut kv).unwrap(),
-                        }
-                    } else {
-                        let valid = [7, 0, 10];
-                        let a =
-                            KvStoreBshdArgs { values: &padded, batch: 3, seq_len: 10, valid_lengths: &valid, which };
-                        match e {
-                            Some(e) => fast::kv_store_bshd(&a, &mut kv, e).unwrap(),
-                            None => reference::kv_store_bshd(&a, &mut kv).unwrap(),
-                        }
-                    }
-                    bits(cache.data())
+                    let padded = (&padded[..], 3, 10, &[7, 0, 10][..]);
+                    kv_store_bits::<T, T>(e, shape, &pg, which, (&vals, &offs), padded, ragged)
                 };
                 let want = run(None);
                 for e in execs() {
