@@ -301,15 +301,32 @@ fuzz_target!(|data: &[u8]| {
                 run::<bf16, bf16>(shape, q.len(), &table, layer, |o, kv| reference::rope_ragged(&args, o, kv, math));
             assert_eq!(fast, oracle, "rope_ragged");
         }
-        // Ragged KV store: bit for bit with the oracle.
+        // Ragged KV store: bit for bit with the oracle, f32 values (converted) or bf16 values of
+        // any bits, NaNs included (copied into the bf16 cache, NaNs quieted).
         _ => {
-            let v: Vec<f32> = (0..m * kvw).map(|_| s.below(200) as f32 - 100.0).collect();
             let which = if s.below(2) == 0 { KvSel::K } else { KvSel::V };
-            let args = KvStoreRaggedArgs { values: &v, input_row_offsets: &offsets, which };
-            let fast =
-                all_isas(|e| run::<f32, bf16>(shape, 0, &table, layer, |_, kv| fast::kv_store_ragged(&args, kv, e)));
-            let oracle = run::<f32, bf16>(shape, 0, &table, layer, |_, kv| reference::kv_store_ragged(&args, kv));
-            assert_eq!(fast, oracle, "kv_store_ragged");
+            if s.below(2) == 0 {
+                let v: Vec<f32> = (0..m * kvw).map(|_| s.below(200) as f32 - 100.0).collect();
+                let args = KvStoreRaggedArgs { values: &v, input_row_offsets: &offsets, which };
+                let fast = all_isas(|e| {
+                    run::<f32, bf16>(shape, 0, &table, layer, |_, kv| fast::kv_store_ragged(&args, kv, e))
+                });
+                let oracle = run::<f32, bf16>(shape, 0, &table, layer, |_, kv| reference::kv_store_ragged(&args, kv));
+                assert_eq!(fast, oracle, "kv_store_ragged");
+            } else {
+                // A quarter of the values with the high byte of a NaN or infinity (0x7F, 0xFF).
+                let mut value = || {
+                    let hi = if s.below(4) == 0 { [0x7F, 0xFF][s.below(2)] } else { s.below(256) };
+                    bf16::from_bits((hi << 8 | s.below(256)) as u16)
+                };
+                let v: Vec<bf16> = (0..m * kvw).map(|_| value()).collect();
+                let args = KvStoreRaggedArgs { values: &v, input_row_offsets: &offsets, which };
+                let fast = all_isas(|e| {
+                    run::<bf16, bf16>(shape, 0, &table, layer, |_, kv| fast::kv_store_ragged(&args, kv, e))
+                });
+                let oracle = run::<bf16, bf16>(shape, 0, &table, layer, |_, kv| reference::kv_store_ragged(&args, kv));
+                assert_eq!(fast, oracle, "kv_store_ragged (bf16 values)");
+            }
         }
     }
 });
