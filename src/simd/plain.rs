@@ -93,7 +93,7 @@ pub(crate) struct PlainPanel<'a> {
     pub kind: PlainKind,
     /// The packed weight from where the same task reads next: the next k-block of these groups
     /// or, after the last one, the next column panel at pair 0 (its groups at the same `stride`);
-    /// empty when nothing follows. Only prefetched ([`crate::simd::x86`]'s prefill tiles), never
+    /// empty when nothing follows. Only prefetched (`crate::simd::x86`'s prefill tiles), never
     /// read.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // the x86 kernels prefetch it
     pub next: &'a [u32],
