@@ -354,9 +354,16 @@ pub(crate) fn narrow<T: Element>(token: IsaToken, src: &[f32], dst: &mut [T]) {
     assert_eq!(src.len(), dst.len());
     #[cfg(target_arch = "x86_64")]
     if matches!(token.0, Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16) && matches!(T::DTYPE, DType::BF16 | DType::F16) {
-        // SAFETY: the token proves AVX2 and F16C were detected; T is a 16-bit type (checked), so
-        // `dst` is `dst.len()` u16 values; the lengths are equal (asserted).
-        unsafe { super::x86::rope::narrow16(src, dst.as_mut_ptr().cast(), T::DTYPE == DType::BF16) };
+        let (d, bf16) = (dst.as_mut_ptr().cast(), T::DTYPE == DType::BF16);
+        // SAFETY: the token proves AVX2, FMA and F16C were detected (and AVX-512 F and BW for
+        // the AVX-512 levels); T is a 16-bit type (checked), so `dst` is `dst.len()` u16 values;
+        // the lengths are equal (asserted).
+        unsafe {
+            match token.0 {
+                Isa::Avx2 => super::x86::rope::narrow16(src, d, bf16),
+                _ => super::x86::rope::narrow16_avx512(src, d, bf16),
+            }
+        };
         return;
     }
     #[cfg(target_arch = "aarch64")]

@@ -832,7 +832,7 @@ fn kv_store_bits<T: Element, C: Element>(
 }
 
 /// The fast KV stores equal the oracle's bit for bit (every ISA, K and V, ragged and padded,
-/// every cache dtype from bf16 values).
+/// every cache dtype from bf16 values, and f16 values into the 16-bit and f32 caches).
 #[test]
 fn kv_stores_every_isa() {
     let mut rng = Rng::new(73);
@@ -841,29 +841,34 @@ fn kv_stores_every_isa() {
     let cl = [1u32, 0, 6];
     let pg = pages(&mut rng, &cl, &lens, 4, 64);
     let m: usize = lens.iter().sum();
-    let vals: Vec<bf16> = (0..m * 32).map(|_| bf16::from_f32(rng.normal() * 300.0)).collect();
-    let padded: Vec<bf16> = (0..3 * 9 * 32).map(|_| bf16::from_f32(rng.normal() * 300.0)).collect();
+    let normal = |rng: &mut Rng, n: usize| (0..n).map(|_| rng.normal() * 300.0).collect::<Vec<f32>>();
+    let (vals, padded) = (normal(&mut rng, m * 32), normal(&mut rng, 3 * 9 * 32));
     let offs = offsets(&lens);
     macro_rules! go {
-        ($c:ty) => {
+        ($v:ty, $c:ty) => {
+            let vals: Vec<$v> = vals.iter().map(|&x| <$v>::from_f32(x)).collect();
+            let padded: Vec<$v> = padded.iter().map(|&x| <$v>::from_f32(x)).collect();
             for which in [KvSel::K, KvSel::V] {
                 let run = |e: Option<Exec>, ragged: bool| {
                     let padded = (&padded[..], 3, 9, &[3, 0, 9][..]);
-                    kv_store_bits::<bf16, $c>(e, shape, &pg, which, (&vals, &offs), padded, ragged)
+                    kv_store_bits::<$v, $c>(e, shape, &pg, which, (&vals, &offs), padded, ragged)
                 };
                 for ragged in [true, false] {
                     let want = run(None, ragged);
                     for e in execs() {
-                        assert_eq!(run(Some(e), ragged), want, "{e:?} {which:?}");
+                        assert_eq!(run(Some(e), ragged), want, "{e:?} {which:?} {}", stringify!($v -> $c));
                     }
                 }
             }
         };
     }
-    go!(bf16);
-    go!(f16);
-    go!(f32);
-    go!(paged_qkv::E4M3);
+    go!(bf16, bf16);
+    go!(bf16, f16);
+    go!(bf16, f32);
+    go!(bf16, paged_qkv::E4M3);
+    go!(f16, f16);
+    go!(f16, bf16);
+    go!(f16, f32);
 }
 
 /// Sequences whose written pages share a block (each writing its own slots of it: valid, no

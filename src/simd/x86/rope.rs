@@ -294,6 +294,32 @@ pub(crate) unsafe fn narrow16(src: &[f32], dst: *mut u16, bf16: bool) {
     unsafe { super::super::rope::narrow16_tail(src, dst, i, bf16) }
 }
 
+/// [`narrow16`] on AVX-512, 16 at a time ([`store512`]: the same rounding as [`narrow16`]'s,
+/// [`round512`] being [`round256`] on 16 lanes), the rest by [`narrow16`]. A KV store of f32
+/// values into a bf16 cache, 64 Llama-shaped tokens on one Zen 5 core: 2.6 µs, 5.6 forced to
+/// `narrow16` (AVX2). (Widening on
+/// AVX-512 measured no faster than `widen16`, 2.16–2.18 against 2.05–2.13 µs for bf16 values
+/// into an f32 cache, so there is no `widen16_avx512`.)
+///
+/// # Safety
+/// AVX-512 F and BW must be available; otherwise as [`narrow16`].
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(crate) unsafe fn narrow16_avx512(src: &[f32], dst: *mut u16, bf16: bool) {
+    let n = src.len();
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY: 16 f32 at src + i and 16 u16 at dst + i are in bounds (i + 16 ≤ n).
+        unsafe {
+            let (v, p) = (_mm512_loadu_ps(src.as_ptr().add(i)), dst.add(i).cast::<u8>());
+            if bf16 { store512::<BF16>(p, v) } else { store512::<F16>(p, v) }
+        }
+        i += 16;
+    }
+    // SAFETY: the caller's contract, from element i on (AVX2, FMA and F16C are part of every
+    // AVX-512 level these kernels run on).
+    unsafe { narrow16(&src[i..], dst.add(i), bf16) }
+}
+
 /// `dst[i] = src[i]` for bf16 (`bf16`) or f16 bits, a NaN made quiet (its quiet bit set): the
 /// oracle's `from_f32(to_f32(v))` within one 16-bit type, which is exact for every other value
 /// (the KV stores of a cache's own type).
