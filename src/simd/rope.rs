@@ -298,7 +298,7 @@ pub(crate) fn convert<T: Element, C: Element>(token: IsaToken, src: &[T], dst: &
 /// `dst[i] = T::from_f32(src[i].to_f32())` for a 16-bit type `T`: a copy, NaNs made quiet.
 fn copy16<T: Element>(token: IsaToken, src: &[T], dst: &mut [T]) {
     assert!(src.len() == dst.len() && matches!(T::DTYPE, DType::BF16 | DType::F16));
-    let (s, d, n, bf16) =
+    let (from, to, n, bf16) =
         (src.as_ptr().cast::<u16>(), dst.as_mut_ptr().cast::<u16>(), src.len(), T::DTYPE == DType::BF16);
     #[cfg(target_arch = "x86_64")]
     if matches!(token.0, Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16) {
@@ -306,9 +306,9 @@ fn copy16<T: Element>(token: IsaToken, src: &[T], dst: &mut [T]) {
         // levels); T is a 16-bit type (asserted), so `src` and `dst` are n u16 values each.
         unsafe {
             if token.0 == Isa::Avx2 {
-                super::x86::rope::copy16(s, d, n, bf16)
+                super::x86::rope::copy16(from, to, n, bf16)
             } else {
-                super::x86::rope::copy16_avx512(s, d, n, bf16)
+                super::x86::rope::copy16_avx512(from, to, n, bf16)
             }
         };
         return;
@@ -317,10 +317,10 @@ fn copy16<T: Element>(token: IsaToken, src: &[T], dst: &mut [T]) {
     if matches!(token.0, Isa::Neon | Isa::NeonDotprod | Isa::NeonI8mm) {
         // SAFETY: the token proves NEON was detected; T is a 16-bit type (asserted), so `src` and
         // `dst` are n u16 values each.
-        unsafe { super::neon::rope::copy16(s, d, n, bf16) };
+        unsafe { super::neon::rope::copy16(from, to, n, bf16) };
         return;
     }
-    let _ = (token, s, d, n, bf16);
+    let _ = (token, from, to, n, bf16);
     for (d, s) in dst.iter_mut().zip(src) {
         *d = T::from_f32(s.to_f32());
     }
