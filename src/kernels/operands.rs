@@ -104,7 +104,7 @@ thread_local! {
 impl Fp4Operands<'_> {
     /// MXFP8 tiles of at least two row chunks, through `crate::simd::fp8_tiled` (weights decoded
     /// once per tile, not once per row chunk). Measured on the Llama-3-8B shape at M = 512,
-    /// 1 thread, Intel Xeon: 68 → 100 GFLOP/s (README).
+    /// 1 thread, Intel Xeon: 68 → 100 GFLOP/s (docs/performance.md).
     fn fp8_tiled(&self, token: IsaToken, rows: &[usize], g0: usize, g1: usize, buf: &mut [f32]) {
         let mr = crate::simd::fp4_mr(token);
         let n = rows.len().div_ceil(mr);

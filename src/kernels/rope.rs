@@ -64,7 +64,7 @@ impl<F: Element> RopeSpec<'_, F> {
         // 5–20× slower on AMD Zen 3 when the output lies 1–31 bytes past `q` modulo 4 KiB, and
         // away from that distance the one pass measured faster on Zen 3 too (one core, best of
         // 300–5000 calls, alternating binaries: 64 Llama tokens 67–68 → 44–54 µs, 64 Qwen tokens
-        // 15.8–16.1 → 11.5–11.7 µs, 512 Qwen tokens 131–182 → 93–121 µs; criterion, README).
+        // 15.8–16.1 → 11.5–11.7 µs, 512 Qwen tokens 131–182 → 93–121 µs; criterion, docs/performance.md).
         // (`rope_rows` comes here only where `HalfRows::new` found no prepared path, so neither
         // call takes the half-split kernels' shortcut for both Q and K.)
         let (i, r) = (self.interleaved, self.round());
@@ -203,7 +203,7 @@ const PAR_ROWS: usize = 8;
 /// 'paired/rope/.*/t(64|512)/bytes/rope_t2'`, two interleaved runs of each), RoPE ÷ copy:
 /// Llama-3-8B bf16 64 tokens 0.46–0.48 → 0.49–0.54, Qwen2.5-0.5B f32 64 tokens 0.32–0.42 → 0.55
 /// and 512 tokens 0.74–0.75 → 0.79; no case slower beyond the run-to-run spread. A plain
-/// `par_chunks_mut` of one share per thread read 0.37–0.52 / 0.45–0.51 / 0.74–0.78 (README).
+/// `par_chunks_mut` of one share per thread read 0.37–0.52 / 0.45–0.51 / 0.74–0.78 (docs/performance.md).
 ///
 /// `RUNS`: `job(first row, (slot, freqs row, n), buffers, n output rows)` for runs of `n` rows
 /// ([`RowSlots::run`]) instead of one row at a time (`n` = 1).
@@ -367,7 +367,7 @@ pub(crate) fn rope_rows<T: Element, F: Element, C: Element>(
 /// once to the cache dtype. Where a run's slots lie `width` apart (consecutive cache positions in
 /// one page: the cache's slots of one block and layer are contiguous), the run's rows are
 /// converted as one stretch of values (the per-row lookup and call were most of a row's time for
-/// small rows: see README, "KV stores").
+/// small rows: see docs/performance.md, "KV stores").
 pub(crate) fn store_rows<T: Element, C: Element>(
     token: IsaToken,
     parallel: bool,

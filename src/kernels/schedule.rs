@@ -121,7 +121,7 @@ const MAX_CHUNKS: usize = 64;
 /// Why not plain `par_iter`: its work stealing hands a call's tasks to whichever thread comes
 /// first, so from one call to the next a column panel's weights change cores; a layer small
 /// enough to stay in the private caches (Qwen2.5-0.5B's QKV is 0.5 MB in NVFP4) then moves
-/// between the two cores' L2s at every call. Measured on the Xeon of README (2 threads, Qwen
+/// between the two cores' L2s at every call. Measured on the Xeon of docs/performance.md (2 threads, Qwen
 /// M = 1 NVFP4, four alternating runs of a driver): median 13.7–14.1 µs → 12.8–13.4 µs; M = 64
 /// and 512 unchanged. Tasks of unequal cost (the empty K/V panels of padded BSHD rows) stay
 /// balanced by the helping, as they were with the finer rayon jobs this replaces.

@@ -154,7 +154,7 @@ impl Isa {
     /// The fastest available ISA, detected once per process: the last available level, except
     /// that [`Isa::Avx512Bf16`] is chosen only where `vdpbf16ps` outruns zmm f32 FMA (AMD Zen 4
     /// and later: about 2×). On Intel Sapphire/Emerald Rapids it runs at half the FMA rate
-    /// (measured: 85 vs 172 GFLOP/s per core, README), so [`Isa::Avx512`] is the best there and
+    /// (measured: 85 vs 172 GFLOP/s per core, docs/performance.md), so [`Isa::Avx512`] is the best there and
     /// [`Isa::Avx512Bf16`] stays available to force.
     pub fn best() -> Isa {
         static BEST: OnceLock<Isa> = OnceLock::new();
@@ -182,7 +182,7 @@ pub(crate) const DECODE_ROWS: usize = 2;
 /// streams. Intel: yes (on Emerald Rapids they took bf16 decode from DRAM from ~1.3× to ~1.0× a
 /// plain read of the bytes). AMD: no — on Zen 4 the same `prefetcht0` 1 KiB ahead made bf16
 /// decode from DRAM ~1.45× instead of ~1.25× a plain read, and `prefetcht1` gained nothing over
-/// the hardware prefetcher (README "Performance").
+/// the hardware prefetcher (docs/performance.md).
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // its callers are the x86 kernels
 pub(crate) fn prefetch_weights() -> bool {
     !is_amd()
@@ -551,9 +551,9 @@ pub(crate) fn plain_layout(token: IsaToken, kind: PlainKind) -> (usize, bool) {
 /// k-pairs per k-block of the plain kernels of `token` (a prefill's task runs every micro-tile of
 /// one k-block before the next; the chain continues through the tile, so the k-block changes no
 /// bit). AVX-512 and NEON: 256 pairs (512 values of K; measured best of 64 … 2048 pairs on the
-/// Xeon of README at M = 512). AVX2: 128 pairs, so one group's block (16 KiB of f32, 8 KiB of
+/// Xeon of docs/performance.md at M = 512). AVX2: 128 pairs, so one group's block (16 KiB of f32, 8 KiB of
 /// bf16) stays in a 32 KiB L1 while the activations stream past it (Zen 3, Llama-3-8B M = 512,
-/// interleaved runs: f32 medians +6 % on one thread, +9 % on two; bf16 +1-5 %; README). The
+/// interleaved runs: f32 medians +6 % on one thread, +9 % on two; bf16 +1-5 %; docs/performance.md). The
 /// Intel sessions measured AVX2 k-blocks of 32-256 pairs within noise of each other.
 pub(crate) fn plain_kc(token: IsaToken) -> usize {
     match token.0 {

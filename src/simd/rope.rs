@@ -273,7 +273,7 @@ fn same_type_mut<A: 'static, B: 'static>(s: &mut [A]) -> Option<&mut [B]> {
 /// `dst[i] = C::from_f32(src[i].to_f32())`: the oracle's KV-store conversion (round once to the
 /// cache's type), the same bits, without the f32 round trip where it is not needed: within one
 /// 16-bit type a copy that quiets NaNs (`copy16`), within f32 a copy, from f32 [`narrow`], into
-/// f32 [`widen`]; otherwise (between bf16 and f16, and E4M3) through `buf`. Measured: see README
+/// f32 [`widen`]; otherwise (between bf16 and f16, and E4M3) through `buf`. Measured: see docs/performance.md
 /// ("KV stores").
 pub(crate) fn convert<T: Element, C: Element>(token: IsaToken, src: &[T], dst: &mut [C], buf: &mut Vec<f32>) {
     assert_eq!(src.len(), dst.len());
@@ -616,7 +616,7 @@ unsafe fn heads_half_x86(
 /// outside the kernels at a fifth of the samples; most of that was waiting on the kernels' data.
 /// On AVX-512, heads of 64 or 128 dims go to one token kernel instead (`TokenFn`: the
 /// forms in registers, no buffer): AMD Zen 5, one core, 512 Qwen-shaped bf16 tokens ~37 → 29 µs,
-/// 512 Llama-shaped 155–161 → 103–106 µs (README, "RoPE on Zen 5").
+/// 512 Llama-shaped 155–161 → 103–106 µs (docs/performance.md, "RoPE on Zen 5").
 pub(crate) struct HalfRows<T, C> {
     token: IsaToken,
     /// The x86 kinds of the Q and the cache elements (`new` makes none elsewhere).
@@ -715,7 +715,7 @@ impl<T: Element, C: Element, F: Element> TokenFn<T, C, F> {
     /// the stack) for all of the token's heads instead of going
     /// through a per-token buffer, and the call's rows skip the general path's checks and
     /// dispatch. The same operations, so the same bits. Measured: see
-    /// README ("RoPE on Zen 5", "Token kernels for both pairings").
+    /// docs/performance.md ("RoPE on Zen 5", "Token kernels for both pairings").
     pub fn new(
         token: IsaToken,
         interleaved: bool,
@@ -812,7 +812,7 @@ impl<T: Element, C: Element, F: Element> TokenFn<T, C, F> {
     /// A run of `tokens` consecutive tokens, each as [`HalfRows::row`]: token `t` takes the
     /// freqs row `t` of `freqs`, its Q heads from row `t` of `q` into row `t` of `out`, and its
     /// K heads in place from element `t · k_stride` of `k`. A run pays the call and the
-    /// kernel's setup once (measured: README, "RoPE runs and per-sequence slots").
+    /// kernel's setup once (measured: docs/performance.md, "RoPE runs and per-sequence slots").
     #[inline]
     pub fn run(&self, freqs: &[F], q: &[T], out: &mut [T], k: &mut [C], tokens: usize, k_stride: usize) {
         let (rd, qw, kw) = (self.rd, self.hq * self.rd, self.hk * self.rd);

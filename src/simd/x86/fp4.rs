@@ -138,7 +138,7 @@ fn nibbles_shuffle(w: __m512i, lut: __m512i) -> (__m512i, __m512i) {
 
 /// The same bytes with AVX-512 VBMI: `vpermb` indexes by the low 6 bits into `lut` (the 16-byte
 /// table repeated four times), so the nibbles need no mask — 3 operations per 64 weight bytes
-/// instead of 5, on the ports the dot products use (measured: see README, Qwen decode).
+/// instead of 5, on the ports the dot products use (measured: see docs/performance.md, Qwen decode).
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
 #[inline]
 fn nibbles_vbmi(w: __m512i, lut: __m512i) -> (__m512i, __m512i) {

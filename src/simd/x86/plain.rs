@@ -5,7 +5,7 @@
 //! (one row) or two groups: four weight streams and at least four independent chains, where the
 //! general tiles at one row left one or two chains whose latency limited how far the loads ran
 //! ahead (Zen 4, Llama-3-8B bf16 from DRAM, one thread: AVX2 2.0–2.3× → 1.14–1.16× a plain read
-//! of the bytes, AVX-512 F 1.7–1.9× → 1.2–1.3×, README).
+//! of the bytes, AVX-512 F 1.7–1.9× → 1.2–1.3×, docs/performance.md).
 //!
 //! Weights are widened in registers: bf16 by a mask (odd element, the high half of a word) or a
 //! shift (even element), f16 by `vcvtph2ps`, f32 as loaded — except on AVX2 when more than one
@@ -518,7 +518,7 @@ pub(crate) unsafe fn panel_avx2(
     // of its lines before each row block: it lies a whole group (the weight's K) away, where the
     // hardware prefetcher does not look, so each block's first micro-tile waited on DRAM. Zen 3,
     // Llama-3-8B M = 512, one thread, interleaved runs of one driver: medians +1-4 % (f32,
-    // bf16), bests +4-5 % (README). Software prefetch of the *current* stream hurt decode on AMD
+    // bf16), bests +4-5 % (docs/performance.md). Software prefetch of the *current* stream hurt decode on AMD
     // ([`crate::simd::prefetch_weights`]); this one is of a stream the hardware cannot predict.
     let wp = wpp(kind_id(w.kind));
     let lines = pairs * wp / LINE_WORDS;
@@ -529,7 +529,7 @@ pub(crate) unsafe fn panel_avx2(
     // shift or `vcvtph2ps`, in the same order, so the same bits), and the f32 micro-kernel runs
     // on them: the widening per pair and row block, on the vector pipes the FMAs need, is done
     // once instead of once per row block (Zen 3, Llama-3-8B M = 512 bf16, one thread,
-    // alternating runs: best 60–74 → 80 GFLOP/s, README).
+    // alternating runs: best 60–74 → 80 GFLOP/s, docs/performance.md).
     let widen = w.kind != PlainKind::F32 && n > MR256 && pairs <= WIDE_PAIRS;
     let mut wide = std::mem::MaybeUninit::<[u32; WIDE_PAIRS * 2 * GROUP]>::uninit();
     let kind = if widen { F32 } else { kind_id(w.kind) };
