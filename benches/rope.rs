@@ -7,13 +7,15 @@
 //! `paired/…` groups state the targets' ratios: each RoPE call runs alternately with copies,
 //! each fused call with one without RoPE, and the median per-pair ratio is printed
 //! (`common/paired.rs`), so the VM's drift between groups stays out of the ratio.
+//! `paired/fma_floor/…` groups pair one-thread RoPE calls with an FMA peak loop instead, in f32
+//! lanes of multiplies and FMAs: the share of the FMA pipes the rotation's arithmetic uses.
 
 use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main, measurement::WallTime};
 use paged_qkv::fast::{self, PackedPlainWeights, PackedWeights, QkvFp4PackedArgs, QkvRaggedPackedArgs};
 use paged_qkv::formats::quantize::{amax, nvfp4_global_scale, quantize};
 use paged_qkv::ops::{Freqs, QkvRope};
 use paged_qkv::{
-    BlockFormat, CacheShape, Element, KvSel, KvStoreRaggedArgs, KvWrite, PageTable, PagedKvCache, RopeMath,
+    BlockFormat, CacheShape, Element, Isa, KvSel, KvStoreRaggedArgs, KvWrite, PageTable, PagedKvCache, RopeMath,
     RopeRaggedArgs, bf16,
 };
 use std::hint::black_box;
@@ -159,12 +161,40 @@ fn standalone<T: Element>(c: &mut Criterion, dtype: &str, interleaved: bool, tok
                 }
                 g.finish();
             }
+            // The rotation's arithmetic against the FMA pipes' peak (half-split, 64 and 512
+            // tokens): a second yardstick beside the copy, where the RoPE is bound by its
+            // arithmetic rather than by memory. Work: a multiply and an FMA per rotated value
+            // (the oracle's `fma(x0, c, −x1·s)` needs both), counted in f32 lanes, against the
+            // lanes of a short FMA peak loop of the vector width in use (`common/peak.rs`). So
+            // the ratio is the share of the FMA pipes' capacity the rotation's own operations
+            // use; the rest of the call (loading, widening, rounding, storing, the call itself)
+            // takes the remainder. One thread: paired with µs-long calls, a two-thread peak loop
+            // measured the pool's hand-off (its `rayon::join` ran at one core's rate on Zen 5).
+            let floor = peak::fma_short(exec().isa.unwrap_or_else(Isa::best));
+            if let (Some((lanes, f)), false, 64 | 512) = (floor, interleaved, tokens) {
+                let gname = format!("paired/fma_floor/rope/{}/{dtype}/t{tokens}/lanes", m.name);
+                let mut g = setup_group(c, &gname);
+                let p = pool(1);
+                let mut kern = || rope(&mut out, &mut cache);
+                let mut base = || peak::call(f, 1);
+                let (work, base_work) = ((2 * tokens * per_token) as u64, (24 * peak::SHORT_ITERS * lanes) as u64);
+                paired::run(
+                    &mut g,
+                    &gname,
+                    &p,
+                    Side { name: "rope_t1", work, run: &mut kern },
+                    Side { name: "fma_peak_t1", work: base_work, run: &mut base },
+                );
+                g.finish();
+            }
         }
     }
 }
 
 #[path = "common/paired.rs"]
 mod paired;
+#[path = "common/peak.rs"]
+mod peak;
 use paired::Side;
 
 fn standalone_all(c: &mut Criterion) {

@@ -29,9 +29,15 @@ mod x86 {
     // features, and its intrinsics would become calls).
     #[target_feature(enable = "avx512f")]
     pub fn fma_zmm() -> f32 {
+        fma_zmm_n::<ITERS>()
+    }
+
+    /// [`fma_zmm`] of `24 · I` instructions.
+    #[target_feature(enable = "avx512f")]
+    pub fn fma_zmm_n<const I: usize>() -> f32 {
         let (x, y) = (_mm512_set1_ps(1.0001), _mm512_set1_ps(0.9999));
         let mut a = [_mm512_setzero_ps(); 12]; // 24 made the compiler rotate registers through moves
-        for _ in 0..2 * ITERS {
+        for _ in 0..2 * I {
             for v in a.iter_mut() {
                 *v = _mm512_fmadd_ps(x, y, *v);
             }
@@ -41,9 +47,15 @@ mod x86 {
 
     #[target_feature(enable = "avx2,fma")]
     pub fn fma_ymm() -> f32 {
+        fma_ymm_n::<ITERS>()
+    }
+
+    /// [`fma_ymm`] of `24 · I` instructions.
+    #[target_feature(enable = "avx2,fma")]
+    pub fn fma_ymm_n<const I: usize>() -> f32 {
         let (x, y) = (_mm256_set1_ps(1.0001), _mm256_set1_ps(0.9999));
         let mut a = [_mm256_setzero_ps(); 12];
-        for _ in 0..2 * ITERS {
+        for _ in 0..2 * I {
             for v in a.iter_mut() {
                 *v = _mm256_fmadd_ps(x, y, *v);
             }
@@ -143,6 +155,31 @@ fn available(f: &str) -> bool {
 #[cfg(not(target_arch = "x86_64"))]
 pub fn loops() -> Vec<Peak> {
     Vec::new()
+}
+
+/// Iterations of the short FMA loops ([`fma_short`]): `24 · SHORT_ITERS` instructions per call,
+/// ~3 µs on a 4 GHz core, so that a call of a few µs can be paired with a few of them.
+pub const SHORT_ITERS: usize = 1 << 10;
+
+/// The f32 FMA peak loop of `isa`'s vector width, short ([`SHORT_ITERS`]): its lanes per
+/// instruction and the loop; `None` below AVX2, off x86, or where the CPU lacks the features.
+#[cfg(target_arch = "x86_64")]
+pub fn fma_short(isa: paged_qkv::Isa) -> Option<(usize, fn() -> f32)> {
+    use paged_qkv::Isa;
+    match isa {
+        // SAFETY (each closure): `Isa::available` checked the loop's features (AVX-512 F, or AVX2
+        // and FMA).
+        Isa::Avx512 | Isa::Avx512Bf16 if isa.is_available() => {
+            Some((16, || unsafe { x86::fma_zmm_n::<SHORT_ITERS>() }))
+        }
+        Isa::Avx2 if isa.is_available() => Some((8, || unsafe { x86::fma_ymm_n::<SHORT_ITERS>() })),
+        _ => None,
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub fn fma_short(_: paged_qkv::Isa) -> Option<(usize, fn() -> f32)> {
+    None
 }
 
 /// One call of a peak loop on each of `threads` (1 or 2) threads of the current pool.
