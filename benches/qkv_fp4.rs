@@ -12,7 +12,7 @@ use paged_qkv::fast::{matmul_fp4_packed, qkv_fp4_ragged_packed};
 use paged_qkv::formats::quantize::{amax, dequantize, nvfp4_global_scale, quantize};
 use paged_qkv::formats::{BlockFormat, QuantizedMatrix};
 use paged_qkv::{
-    Accumulation, CacheShape, Exec, KvWrite, PackedWeights, PageTable, PagedKvCache, QkvFp4Args, QkvFp4PackedArgs,
+    Accumulation, CacheShape, Exec, Isa, KvWrite, PackedWeights, PageTable, PagedKvCache, QkvFp4Args, QkvFp4PackedArgs,
     bf16, reference,
 };
 use std::hint::black_box;
@@ -211,6 +211,29 @@ fn compute(c: &mut Criterion) {
                 });
             }
             g.finish();
+            if m == 512 && model.name == LLAMA.name {
+                // The prefill targets' ratio to the peak loop of the instruction the kernel of the
+                // ISA in use relies on, call by call (`common/paired.rs`).
+                let gname = format!("paired/{}/m{m}/flop", model.name);
+                let mut g = setup_group(c, &gname);
+                let flop = (2 * m * n * k) as u64;
+                for threads in [1usize, 2] {
+                    let p = pool(threads);
+                    for (f, pw, _) in &wq {
+                        let Some((pname, _, per, l)) = peak_for(*f) else { continue };
+                        let a = quant(*f, &af, m, k);
+                        let mut out = vec![bf16::ZERO; m * model.q_dim()];
+                        let mut cache = cache_for(&model, m);
+                        let mut kern = || fused(&a, pw, model.q_dim(), &mut out, &mut cache, exec());
+                        let mut base = || peak::call(l, threads);
+                        let (id, pw) = (format!("fused_{}_t{threads}", f.name()), peak::ops(per) * threads as u64);
+                        let kern = Side { name: &id, work: flop, run: &mut kern };
+                        let peak = Side { name: &format!("{pname}_t{threads}"), work: pw, run: &mut base };
+                        paired::run(&mut g, &gname, &p, kern, peak);
+                    }
+                }
+                g.finish();
+            }
         }
     }
 }
@@ -283,11 +306,60 @@ fn decode_model(c: &mut Criterion, model: Model) {
             });
         }
         g.finish();
+        // The targets' ratios call by call (`common/paired.rs`): from DRAM, each call on its own
+        // cold layer paired with a read of another; L3-hot, the one layer against a read of its
+        // bytes. Equal work on both sides, so the inverse of the ratio is the time ratio.
+        let gname = format!("paired/{}/decode_{}/bytes", model.name, f.name());
+        let mut g = setup_group(c, &gname);
+        let b = raw_bytes as u64;
+        for threads in [1usize, 2] {
+            let p = pool(threads);
+            let (mut i, mut j) = (0, layers / 2);
+            let mut kern = || {
+                i = (i + 1) % layers;
+                fused(&a, &cold[i], model.q_dim(), &mut out, &mut cache, exec())
+            };
+            let mut base = || {
+                j = (j + 1) % layers;
+                black_box(plain_read_par(&cold_raw[j], threads));
+            };
+            let id = format!("dram_fused_t{threads}");
+            let (kern, base) =
+                (Side { name: &id, work: b, run: &mut kern }, Side { name: "dram_read", work: b, run: &mut base });
+            paired::run(&mut g, &gname, &p, kern, base);
+            let mut kern = || fused(&a, &pw, model.q_dim(), &mut out, &mut cache, exec());
+            let mut base = || {
+                black_box(plain_read_par(&hot_raw, threads));
+            };
+            let id = format!("hot_fused_t{threads}");
+            let (kern, base) =
+                (Side { name: &id, work: b, run: &mut kern }, Side { name: "hot_read", work: b, run: &mut base });
+            paired::run(&mut g, &gname, &p, kern, base);
+        }
+        g.finish();
     }
 }
 
 #[path = "common/peak.rs"]
 mod peak;
+
+#[path = "common/paired.rs"]
+mod paired;
+use paired::Side;
+
+/// The peak loop the `format` kernels of the ISA in use rely on: `vpdpbusd` (AVX-512 VNNI) or
+/// the `vpmaddubsw` chain (AVX2) for the FP4 formats, f32 FMA of the vector width for MXFP8;
+/// `None` off x86 or below AVX2.
+fn peak_for(format: BlockFormat) -> Option<peak::Peak> {
+    let name = match (exec().isa.unwrap_or_else(Isa::best), format) {
+        (Isa::Avx512 | Isa::Avx512Bf16, BlockFormat::Mxfp8) => "fma_zmm",
+        (Isa::Avx512 | Isa::Avx512Bf16, _) => "vpdpbusd_zmm",
+        (Isa::Avx2, BlockFormat::Mxfp8) => "fma_ymm",
+        (Isa::Avx2, _) => "maddubs_ymm",
+        _ => return None,
+    };
+    peak::loops().into_iter().find(|l| l.0 == name)
+}
 
 /// The peaks the targets are stated against: `vpdpbusd` (AVX-512 VNNI) and the AVX2
 /// `vpmaddubsw` + `vpaddw` chain for the FP4 formats, f32 FMA (zmm, ymm) for MXFP8, per thread

@@ -180,12 +180,36 @@ pub(crate) const DECODE_ROWS: usize = 2;
 
 /// Whether the decode (one- or two-row) kernels issue software prefetches ahead of the weight
 /// streams. Intel: yes (on Emerald Rapids they took bf16 decode from DRAM from ~1.3× to ~1.0× a
-/// plain read of the bytes). AMD: no — on Zen 4 the same `prefetcht0` 1 KiB ahead made bf16
-/// decode from DRAM ~1.45× instead of ~1.25× a plain read, and `prefetcht1` gained nothing over
-/// the hardware prefetcher (docs/performance.md).
+/// plain read of the bytes). AMD families up to 19h (Zen 3, Zen 4): no — on Zen 4 the same
+/// `prefetcht0` 1 KiB ahead made bf16 decode from DRAM ~1.45× instead of ~1.25× a plain read,
+/// and `prefetcht1` gained nothing over the hardware prefetcher (Zen 3 was not measured). AMD
+/// family 1Ah (Zen 5) and later: yes — paired runs on Zen 5, the two settings alternated two or
+/// three times (`cargo bench --bench qkv_fp4 -- 'paired/(llama3-8b|qwen2.5-0.5b)/decode_nvfp4'`
+/// and `--bench qkv_plain -- 'paired/llama3-8b/decode_bf16'`), ratio to a plain read's rate:
+/// Llama-3-8B NVFP4 from DRAM, one thread, 0.76–0.81 → 0.84–0.85 (two threads unchanged,
+/// 0.84–0.85), L3-hot 0.77–0.79 → 0.83–0.85; bf16 from DRAM 1.16–1.17 → 1.18–1.19; Qwen2.5-0.5B
+/// NVFP4 L3-hot 0.82–0.83 → 0.81 (docs/performance.md).
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // its callers are the x86 kernels
 pub(crate) fn prefetch_weights() -> bool {
-    !is_amd()
+    !is_amd() || cpu_family() >= 0x1A
+}
+
+/// The CPU's family (CPUID leaf 1: the base family, plus the extended family where the base is
+/// 0Fh), read once per process; 0 off x86-64.
+fn cpu_family() -> u32 {
+    static FAMILY: OnceLock<u32> = OnceLock::new();
+    *FAMILY.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: CPUID leaf 1 exists on every x86-64 CPU; it only reads identification registers.
+            #[allow(unused_unsafe)] // `__cpuid` is safe in newer Rust, unsafe in 1.89 (the MSRV)
+            let eax = unsafe { std::arch::x86_64::__cpuid(1) }.eax;
+            let base = (eax >> 8) & 0xF;
+            if base == 0xF { base + ((eax >> 20) & 0xFF) } else { base }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        0
+    })
 }
 
 /// Whether the CPU is an AMD one (CPUID vendor "AuthenticAMD"), read once per process.

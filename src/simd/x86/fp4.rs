@@ -108,8 +108,10 @@ pub(crate) unsafe fn fp4_group_avx2<const R: usize>(
 }
 
 /// Software prefetch distance in bytes (on Intel the hardware prefetcher alone left DRAM decode
-/// ~1.5× a plain read; on AMD Zen 4 the prefetch made it worse, NVFP4 1.4× instead of 1.2×:
-/// [`crate::simd::prefetch_weights`]).
+/// ~1.5× a plain read; on AMD Zen 4 the prefetch made it worse, NVFP4 1.4× instead of 1.2×; on
+/// Zen 5 better, 1.18× instead of 1.24–1.32×: [`crate::simd::prefetch_weights`]). 2 KiB and 4 KiB
+/// measured no better on Zen 5 (NVFP4 from DRAM, one thread: 0.78–0.85 and 0.74 of a plain
+/// read's rate, against 0.84–0.85 at 1 KiB).
 const PREFETCH: usize = 1024;
 
 #[inline(always)]

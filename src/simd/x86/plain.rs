@@ -44,7 +44,7 @@ const fn wpp(kind: u8) -> usize {
 
 /// Software prefetch distance in bytes along a weight group: decode streams the weight once, and
 /// on Intel a prefetch this far ahead hides more of DRAM's latency than the hardware prefetcher
-/// alone (on AMD it hurts: [`crate::simd::prefetch_weights`]).
+/// alone (on AMD Zen 4 it hurt, on Zen 5 it helps: [`crate::simd::prefetch_weights`]).
 const PREFETCH: usize = 1024;
 
 #[inline(always)]
@@ -518,8 +518,9 @@ pub(crate) unsafe fn panel_avx2(
     // of its lines before each row block: it lies a whole group (the weight's K) away, where the
     // hardware prefetcher does not look, so each block's first micro-tile waited on DRAM. Zen 3,
     // Llama-3-8B M = 512, one thread, interleaved runs of one driver: medians +1-4 % (f32,
-    // bf16), bests +4-5 % (docs/performance.md). Software prefetch of the *current* stream hurt decode on AMD
-    // ([`crate::simd::prefetch_weights`]); this one is of a stream the hardware cannot predict.
+    // bf16), bests +4-5 % (docs/performance.md). Software prefetch of the *current* stream hurt
+    // decode on AMD Zen 4 ([`crate::simd::prefetch_weights`]); this one is of a stream the
+    // hardware cannot predict.
     let wp = wpp(kind_id(w.kind));
     let lines = pairs * wp / LINE_WORDS;
     let per = lines.div_ceil(n.div_ceil(MR256));
