@@ -314,19 +314,11 @@ fn decode_model(c: &mut Criterion, model: Model) {
         let b = raw_bytes as u64;
         for threads in [1usize, 2] {
             let p = pool(threads);
-            let (mut i, mut j) = (0, layers / 2);
-            let mut kern = || {
-                i = (i + 1) % layers;
-                fused(&a, &cold[i], model.q_dim(), &mut out, &mut cache, exec())
-            };
-            let mut base = || {
-                j = (j + 1) % layers;
+            let mut kern = |i: usize| fused(&a, &cold[i], model.q_dim(), &mut out, &mut cache, exec());
+            let mut read = |j: usize| {
                 black_box(plain_read_par(&cold_raw[j], threads));
             };
-            let id = format!("dram_fused_t{threads}");
-            let (kern, base) =
-                (Side { name: &id, work: b, run: &mut kern }, Side { name: "dram_read", work: b, run: &mut base });
-            paired::run(&mut g, &gname, &p, kern, base);
+            paired::dram(&mut g, &gname, &p, threads, layers, b, &mut kern, &mut read);
             let mut kern = || fused(&a, &pw, model.q_dim(), &mut out, &mut cache, exec());
             let mut base = || {
                 black_box(plain_read_par(&hot_raw, threads));
@@ -351,14 +343,8 @@ use paired::Side;
 /// the `vpmaddubsw` chain (AVX2) for the FP4 formats, f32 FMA of the vector width for MXFP8;
 /// `None` off x86 or below AVX2.
 fn peak_for(format: BlockFormat) -> Option<peak::Peak> {
-    let name = match (exec().isa.unwrap_or_else(Isa::best), format) {
-        (Isa::Avx512 | Isa::Avx512Bf16, BlockFormat::Mxfp8) => "fma_zmm",
-        (Isa::Avx512 | Isa::Avx512Bf16, _) => "vpdpbusd_zmm",
-        (Isa::Avx2, BlockFormat::Mxfp8) => "fma_ymm",
-        (Isa::Avx2, _) => "maddubs_ymm",
-        _ => return None,
-    };
-    peak::loops().into_iter().find(|l| l.0 == name)
+    let unit = if format == BlockFormat::Mxfp8 { peak::Unit::Fma } else { peak::Unit::Int8Dot };
+    peak::for_isa(exec().isa.unwrap_or_else(Isa::best), unit)
 }
 
 /// The peaks the targets are stated against: `vpdpbusd` (AVX-512 VNNI) and the AVX2

@@ -287,13 +287,8 @@ const HALF_VALID: [u32; 8] = [64, 0, 64, 0, 32, 32, 48, 16];
 /// The peak loop the kernels of the ISA in use rely on, for bf16 or f32 weights (`None` off x86
 /// or below AVX2).
 fn peak_for(bf16: bool) -> Option<peak::Peak> {
-    let name = match (exec().isa.unwrap_or_else(Isa::best), bf16) {
-        (Isa::Avx512Bf16, true) => "vdpbf16ps_zmm",
-        (Isa::Avx512 | Isa::Avx512Bf16, _) => "fma_zmm",
-        (Isa::Avx2, _) => "fma_ymm",
-        _ => return None,
-    };
-    peak::loops().into_iter().find(|l| l.0 == name)
+    let unit = if bf16 { peak::Unit::Bf16Dot } else { peak::Unit::Fma };
+    peak::for_isa(exec().isa.unwrap_or_else(Isa::best), unit)
 }
 
 /// M = 1 against a plain read of the same bytes: L3-hot (one layer) and from DRAM (cycling
@@ -343,24 +338,12 @@ fn decode(c: &mut Criterion) {
     let gname = format!("paired/{}/decode_bf16/bytes", model.name);
     let mut g = setup_group(c, &gname);
     for threads in [1usize, 2] {
-        let p = pool(threads);
-        let (mut i, mut j) = (0, layers / 2);
-        let mut kern = || {
-            i = (i + 1) % layers;
-            fused(&x, &cold[i], model.q_dim(), &mut out, &mut cache, exec())
-        };
-        let mut base = || {
-            j = (j + 1) % layers;
+        let b = hot_raw.len() as u64;
+        let mut kern = |i: usize| fused(&x, &cold[i], model.q_dim(), &mut out, &mut cache, exec());
+        let mut read = |j: usize| {
             black_box(plain_read_par(&cold_raw[j], threads));
         };
-        let (id, b) = (format!("dram_fused_t{threads}"), hot_raw.len() as u64);
-        paired::run(
-            &mut g,
-            &gname,
-            &p,
-            Side { name: &id, work: b, run: &mut kern },
-            Side { name: "dram_read", work: b, run: &mut base },
-        );
+        paired::dram(&mut g, &gname, &pool(threads), threads, layers, b, &mut kern, &mut read);
     }
     g.finish();
 }

@@ -107,3 +107,30 @@ pub fn run(
         mb / 1e9
     );
 }
+
+/// Decode from DRAM, paired: `kernel(i)` runs on cold layer `i` and `read(j)` reads cold layer
+/// `j`, each cycling through `layers` from opposite halves (so neither finds the other's layer in
+/// cache), as `dram_fused_t{threads}` against `dram_read`, `work` bytes each.
+#[allow(clippy::too_many_arguments, dead_code)] // dead_code: the QKV benches use it, `rope` does not
+pub fn dram(
+    g: &mut BenchmarkGroup<'_, WallTime>,
+    group: &str,
+    pool: &rayon::ThreadPool,
+    threads: usize,
+    layers: usize,
+    work: u64,
+    kernel: &mut (dyn FnMut(usize) + Send),
+    read: &mut (dyn FnMut(usize) + Send),
+) {
+    let (mut i, mut j) = (0, layers / 2);
+    let mut kern = || {
+        i = (i + 1) % layers;
+        kernel(i)
+    };
+    let mut base = || {
+        j = (j + 1) % layers;
+        read(j)
+    };
+    let id = format!("dram_fused_t{threads}");
+    run(g, group, pool, Side { name: &id, work, run: &mut kern }, Side { name: "dram_read", work, run: &mut base });
+}

@@ -157,22 +157,48 @@ pub fn loops() -> Vec<Peak> {
     Vec::new()
 }
 
+/// The instruction a kernel's inner loop is built on, for [`for_isa`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Unit {
+    /// f32 FMA of the vector width (the f32/f16 kernels, MXFP8, RoPE's rotation).
+    Fma,
+    /// `vdpbf16ps` where the ISA uses it for bf16 (`Avx512Bf16`), else f32 FMA.
+    Bf16Dot,
+    /// The int8 dot products of the FP4 kernels: `vpdpbusd`, or the AVX2 `vpmaddubsw` chain.
+    Int8Dot,
+}
+
+/// The name of the peak loop of `unit` on `isa`; `None` below AVX2 (no loop here).
+pub fn name_for(isa: paged_qkv::Isa, unit: Unit) -> Option<&'static str> {
+    use paged_qkv::Isa;
+    Some(match (isa, unit) {
+        (Isa::Avx512Bf16, Unit::Bf16Dot) => "vdpbf16ps_zmm",
+        (Isa::Avx512 | Isa::Avx512Bf16, Unit::Int8Dot) => "vpdpbusd_zmm",
+        (Isa::Avx512 | Isa::Avx512Bf16, _) => "fma_zmm",
+        (Isa::Avx2, Unit::Int8Dot) => "maddubs_ymm",
+        (Isa::Avx2, _) => "fma_ymm",
+        _ => return None,
+    })
+}
+
+/// The peak loop of `unit` on `isa` ([`name_for`]), where this CPU can run it.
+pub fn for_isa(isa: paged_qkv::Isa, unit: Unit) -> Option<Peak> {
+    let name = name_for(isa, unit)?;
+    loops().into_iter().find(|l| l.0 == name)
+}
+
 /// Iterations of the short FMA loops ([`fma_short`]): `24 · SHORT_ITERS` instructions per call,
 /// ~3 µs on a 4 GHz core, so that a call of a few µs can be paired with a few of them.
 pub const SHORT_ITERS: usize = 1 << 10;
 
-/// The f32 FMA peak loop of `isa`'s vector width, short ([`SHORT_ITERS`]): its lanes per
-/// instruction and the loop; `None` below AVX2, off x86, or where the CPU lacks the features.
+/// The FMA peak loop of `isa` ([`for_isa`] with [`Unit::Fma`]), short ([`SHORT_ITERS`]): its f32
+/// lanes per instruction and the loop; `None` where that gives none.
 #[cfg(target_arch = "x86_64")]
 pub fn fma_short(isa: paged_qkv::Isa) -> Option<(usize, fn() -> f32)> {
-    use paged_qkv::Isa;
-    match isa {
-        // SAFETY (each closure): `Isa::available` checked the loop's features (AVX-512 F, or AVX2
-        // and FMA).
-        Isa::Avx512 | Isa::Avx512Bf16 if isa.is_available() => {
-            Some((16, || unsafe { x86::fma_zmm_n::<SHORT_ITERS>() }))
-        }
-        Isa::Avx2 if isa.is_available() => Some((8, || unsafe { x86::fma_ymm_n::<SHORT_ITERS>() })),
+    // SAFETY (each closure): `for_isa` found the loop among `loops()`, which checked its features.
+    match for_isa(isa, Unit::Fma)?.0 {
+        "fma_zmm" => Some((16, || unsafe { x86::fma_zmm_n::<SHORT_ITERS>() })),
+        "fma_ymm" => Some((8, || unsafe { x86::fma_ymm_n::<SHORT_ITERS>() })),
         _ => None,
     }
 }
