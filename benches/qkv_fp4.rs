@@ -329,6 +329,22 @@ fn decode_model(c: &mut Criterion, model: Model) {
             paired::run(&mut g, &gname, &p, kern, base);
         }
         g.finish();
+        // Two rows (two sequences decoding together, or two tokens of one): the decode kernels
+        // take both rows in one call on AVX-512, so the weight bytes are still read once.
+        let gname = format!("paired/{}/decode2_{}/bytes", model.name, f.name());
+        let mut g = setup_group(c, &gname);
+        let a2 = quant(f, &random(2 * k, 11), 2, k);
+        let mut out2 = vec![bf16::ZERO; 2 * model.q_dim()];
+        let mut cache2 = cache_for(&model, 2);
+        for threads in [1usize, 2] {
+            let p = pool(threads);
+            let mut kern = |i: usize| fused(&a2, &cold[i], model.q_dim(), &mut out2, &mut cache2, exec());
+            let mut read = |j: usize| {
+                black_box(plain_read_par(&cold_raw[j], threads));
+            };
+            paired::dram(&mut g, &gname, &p, threads, layers, b, &mut kern, &mut read);
+        }
+        g.finish();
     }
 }
 

@@ -22,7 +22,9 @@ use crate::formats::fp4::E2M1_DOUBLED;
 use crate::formats::fp8::e4m3_to_units;
 use crate::reference::exact::{ExactSum, f32_parts};
 use crate::simd::fp4::E8M0_ACT_BIAS;
+use crate::simd::fp4::Fp4Rows;
 use crate::simd::fp8::E8M0_FP8_ACT_BIAS;
+use crate::simd::fp8::Fp8Rows;
 use crate::simd::plain::PackedRows;
 use crate::simd::{DECODE_ROWS, GROUP, IsaToken, MR, ROW_GROUPS};
 
@@ -102,6 +104,25 @@ thread_local! {
 }
 
 impl Fp4Operands<'_> {
+    /// The decode kernel of the weight's format on groups `g0 .. g0 + ROW_GROUPS` for R rows
+    /// (prepared as `r4` or `r8`, whichever the format has), into `out[r]`.
+    fn row_call<const R: usize>(
+        &self,
+        token: IsaToken,
+        g0: usize,
+        r4: &Option<Fp4Rows<'_>>,
+        r8: &Option<Fp8Rows<'_>>,
+        out: [&mut [[f32; GROUP]; ROW_GROUPS]; R],
+    ) {
+        if let Some(r) = r4 {
+            let gs = std::array::from_fn(|i| self.w.fp4_group(g0 + i));
+            crate::simd::fp4_row(token, &gs, r, out);
+        } else if let Some(r) = r8 {
+            let gs = std::array::from_fn(|i| self.w.fp8_group(g0 + i));
+            crate::simd::fp8_row(token, &gs, r, out);
+        }
+    }
+
     /// MXFP8 tiles of at least two row chunks, through `crate::simd::fp8_tiled` (weights decoded
     /// once per tile, not once per row chunk). Measured on the Llama-3-8B shape at M = 512,
     /// 1 thread, Intel Xeon: 68 → 100 GFLOP/s (docs/performance.md).
@@ -149,21 +170,19 @@ impl Operands for Fp4Operands<'_> {
         let mut tile = [[0f32; GROUP]; MR];
         let mr = crate::simd::fp4_mr(token);
         let (mut g0, g1) = (c0 / GROUP, c1 / GROUP);
-        if rows.len() == 1 {
-            // One row (decode): several groups per call, for independent accumulator chains.
+        if rows.len() <= crate::simd::row_rows(token) {
+            // Decode (one row, or two on AVX-512): several groups per call, for independent
+            // accumulator chains, each weight vector decoded once for the rows.
             let fp4 = self.w.format.is_fp4();
             let (r4, r8) = (fp4.then(|| self.a.fp4_rows(rows)), (!fp4).then(|| self.a.fp8_rows(rows)));
+            let (row0, row1) = buf.split_at_mut(if rows.len() == 2 { width } else { buf.len() });
             while g0 + ROW_GROUPS <= g1 {
-                // The kernel writes straight into the tile (no copy through a local array).
+                // The kernels write straight into the tile (no copy through a local array).
                 let at = g0 * GROUP - c0;
-                let (groups, _) = buf[at..at + ROW_GROUPS * GROUP].as_chunks_mut::<GROUP>();
-                let out: &mut [[f32; GROUP]; ROW_GROUPS] = groups.try_into().expect("ROW_GROUPS groups");
-                if let Some(r) = &r4 {
-                    let gs = std::array::from_fn(|i| self.w.fp4_group(g0 + i));
-                    crate::simd::fp4_row(token, &gs, r, out);
-                } else if let Some(r) = &r8 {
-                    let gs = std::array::from_fn(|i| self.w.fp8_group(g0 + i));
-                    crate::simd::fp8_row(token, &gs, r, out);
+                if rows.len() == 2 {
+                    self.row_call(token, g0, &r4, &r8, [four_groups(row0, at), four_groups(row1, at)]);
+                } else {
+                    self.row_call(token, g0, &r4, &r8, [four_groups(row0, at)]);
                 }
                 g0 += ROW_GROUPS;
             }
@@ -339,16 +358,25 @@ impl<T: Element> Operands for PlainOperands<'_, T> {
     }
 }
 
+/// The [`ROW_GROUPS`] groups of one tile row starting at `at`, as the one-row kernels take them
+/// (they write straight into the tile: no copy through a local array).
+fn four_groups(row: &mut [f32], at: usize) -> &mut [[f32; GROUP]; ROW_GROUPS] {
+    row[at..at + ROW_GROUPS * GROUP].as_chunks_mut::<GROUP>().0.try_into().expect("ROW_GROUPS groups")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::formats::QuantizedMatrix;
     use crate::formats::quantize::{amax, nvfp4_global_scale, quantize};
+    use crate::formats::scale_layout::ScaleLayout;
     use crate::simd::fp4::group_scalar;
-    use crate::simd::{Isa, fp4_group_v, fp4_mr, fp4_row_v};
+    use crate::simd::{Isa, fp4_group_v, fp4_mr, fp4_row_v, fp8_row_v, row_rows};
 
     /// The AVX-512 FP4 kernels with and without the VBMI nibble decode (the public tests reach
     /// only the one the CPU selects): bit for bit the scalar kernel, for the group kernel at
-    /// every row count and the one-row kernel, NVFP4 and MXFP4, with every E2M1 code present.
+    /// every row count and the decode kernel on one and two rows, NVFP4 and MXFP4, with every
+    /// E2M1 code present.
     #[test]
     fn avx512_fp4_kernels_with_and_without_vbmi_equal_the_scalar_kernel() {
         let Ok(token) = IsaToken::new(Some(Isa::Avx512)) else {
@@ -383,18 +411,90 @@ mod tests {
                     }
                 }
             }
-            let one = a.fp4_rows(&rows[3..4]);
             let gs = std::array::from_fn(|g| w.fp4_group(g));
-            let mut want = [[0f32; GROUP]; ROW_GROUPS];
-            fp4_row_v(scalar, false, &gs, &one, &mut want);
+            let (mut w3, mut w4) = ([[0f32; GROUP]; ROW_GROUPS], [[0f32; GROUP]; ROW_GROUPS]);
+            fp4_row_v(scalar, false, &gs, &a.fp4_rows(&rows[3..4]), [&mut w3]);
+            fp4_row_v(scalar, false, &gs, &a.fp4_rows(&rows[4..5]), [&mut w4]);
+            let bits = |x: [[f32; GROUP]; ROW_GROUPS]| x.map(|g| g.map(f32::to_bits));
             for vbmi in [false, true] {
                 let mut got = [[0f32; GROUP]; ROW_GROUPS];
-                fp4_row_v(token, vbmi, &gs, &one, &mut got);
-                assert_eq!(
-                    got.map(|g| g.map(f32::to_bits)),
-                    want.map(|g| g.map(f32::to_bits)),
-                    "{format:?} row, vbmi {vbmi}"
-                );
+                fp4_row_v(token, vbmi, &gs, &a.fp4_rows(&rows[3..4]), [&mut got]);
+                assert_eq!(bits(got), bits(w3), "{format:?} row, vbmi {vbmi}");
+                let (mut g3, mut g4) = ([[0f32; GROUP]; ROW_GROUPS], [[0f32; GROUP]; ROW_GROUPS]);
+                fp4_row_v(token, vbmi, &gs, &a.fp4_rows(&rows[3..5]), [&mut g3, &mut g4]);
+                assert_eq!([bits(g3), bits(g4)], [bits(w3), bits(w4)], "{format:?} two rows, vbmi {vbmi}");
+            }
+        }
+    }
+
+    /// The decode MXFP8 kernels — AVX2 (one row), AVX-512 (one and two rows) with the half decode
+    /// and with the f32-bits decode (the public tests reach only the AVX-512 one the CPU
+    /// selects) — bit for bit the scalar kernel, with every E4M3 byte but NaN in the weights (subnormals, ±0, ±448) and in
+    /// the activations, and block scales from 2⁻¹²⁷ to 2¹²⁷ on both sides (sums and scale
+    /// products that overflow f32, and ones far below its normal range).
+    #[test]
+    fn fp8_row_kernels_with_either_decode_equal_the_scalar_kernel() {
+        let tokens: Vec<IsaToken> =
+            [Isa::Avx2, Isa::Avx512].into_iter().filter_map(|i| IsaToken::new(Some(i)).ok()).collect();
+        if tokens.is_empty() {
+            eprintln!("neither AVX2 nor AVX-512 available: nothing to compare");
+            return;
+        }
+        let scalar = IsaToken::new(Some(Isa::Scalar)).unwrap();
+        let (n, k) = (ROW_GROUPS * GROUP, 512);
+        let code = |i: usize| {
+            let b = (i * 37 % 256) as u8;
+            if b & 0x7F == 0x7F { 0x3C } else { b } // no NaN: those columns go to the exact path
+        };
+        let wdata: Vec<u8> = (0..n * k).map(|i| code(i * 7 + i / k)).collect();
+        let adata: Vec<u8> = (0..k).map(|i| code(i * 11 + 3)).collect();
+        let all: std::collections::HashSet<u8> = wdata.iter().copied().collect();
+        assert_eq!(all.len(), 254, "every E4M3 byte but the two NaNs in the weights");
+        let kb = k / 32;
+        let mx = |rows: usize, data: Vec<u8>, scale: &dyn Fn(usize, usize) -> u8| {
+            let lay = ScaleLayout::for_operand(rows, k, 32);
+            let raw: Vec<u8> = (0..rows * kb).map(|i| scale(i / kb, i % kb)).collect();
+            QuantizedMatrix::from_parts(BlockFormat::Mxfp8, rows, k, data, lay.interleave(&raw).unwrap(), 1.0).unwrap()
+        };
+        for case in 0..3 {
+            let ws = move |r: usize, b: usize| match case {
+                0 => 120 + ((r + b) % 15) as u8,
+                // Group 0 with the largest scales (sums that overflow), the others moderate.
+                1 if r < GROUP => [0u8, 1, 254, 200, 60, 127][(r * 3 + b) % 6],
+                1 => [0u8, 1, 140, 127, 60, 90][(r * 3 + b) % 6],
+                _ => ((r * 31 + b * 17) % 131 + 60) as u8,
+            };
+            let as_ = move |_: usize, b: usize| match case {
+                0 => 127,
+                1 => [200u8, 0, 127, 3][b % 4],
+                _ => ((b * 53) % 131 + 60) as u8,
+            };
+            let w = PackedWeights::new(mx(n, wdata.clone(), &ws).as_ref());
+            // Row 1: the activation bytes in another order, and other scales.
+            let a2: Vec<u8> = adata.iter().chain(adata.iter().rev()).copied().collect();
+            let aq = mx(2, a2, &|r, b| if r == 0 { as_(r, b) } else { as_(r, b + 1) });
+            let a = Fp4Acts::prepare(aq.as_ref());
+            let gs = std::array::from_fn(|g| w.fp8_group(g));
+            let (mut w0, mut w1) = ([[0f32; GROUP]; ROW_GROUPS], [[0f32; GROUP]; ROW_GROUPS]);
+            fp8_row_v(scalar, false, &gs, &a.fp8_rows(&[0]), [&mut w0]);
+            fp8_row_v(scalar, false, &gs, &a.fp8_rows(&[1]), [&mut w1]);
+            let want = [w0, w1].map(|x| x.map(|g| g.map(f32::to_bits)));
+            for r in 0..2 {
+                assert!(want[r].iter().flatten().any(|&x| f32::from_bits(x).is_finite() && x != 0), "case {case}");
+            }
+            for (&token, bits) in tokens.iter().flat_map(|t| [(t, false), (t, true)]) {
+                for r in 0..2 {
+                    let mut got = [[0f32; GROUP]; ROW_GROUPS];
+                    fp8_row_v(token, bits, &gs, &a.fp8_rows(&[r]), [&mut got]);
+                    let got = got.map(|g| g.map(f32::to_bits));
+                    assert_eq!(got, want[r], "case {case}, {token:?}, f32-bits decode {bits}, row {r} alone");
+                }
+                if row_rows(token) >= 2 {
+                    let (mut g0, mut g1) = ([[0f32; GROUP]; ROW_GROUPS], [[0f32; GROUP]; ROW_GROUPS]);
+                    fp8_row_v(token, bits, &gs, &a.fp8_rows(&[0, 1]), [&mut g0, &mut g1]);
+                    let got = [g0, g1].map(|x| x.map(|g| g.map(f32::to_bits)));
+                    assert_eq!(got, want, "case {case}, {token:?}, f32-bits decode {bits}, two rows");
+                }
             }
         }
     }

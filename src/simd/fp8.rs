@@ -11,6 +11,13 @@
 //! rounding while every value stays normal, so this is the sum of exact products rounded in k
 //! order — the error bound is unchanged. NaN elements (0x7F, 0xFF) have no half encoding: their
 //! columns are flagged at packing and computed exactly.
+//!
+//! A second decode forms the same products: the byte's bits placed straight into an f32
+//! (`(b & 0x80) << 24 | (b & 0x7F) << 20`) are `value · 2⁻¹²⁰` (E4M3 subnormals become f32
+//! subnormals), and with the activation taken as `a · 2¹¹²` (exact) each product
+//! `(a · 2¹¹²) · (w · 2⁻¹²⁰)` is the same real number `a · (w · 2⁻⁸)`, so every FMA rounds the
+//! same sum (`x86::fp8::fp8_row_avx512vbmi`, where the CPU takes subnormal operands at full
+//! speed).
 
 use super::{GROUP, MR};
 use crate::formats::fp8::e4m3_to_f32;

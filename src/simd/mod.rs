@@ -22,7 +22,10 @@
 //! weights widened exactly through IEEE half bits, a chain of FMAs per block in k order). On
 //! AVX-512, tiles of two or more row chunks go through [`fp8_tiled`]: each weight slice is
 //! decoded once into an f32 buffer that every chunk reads from L1, the accumulators continue
-//! through memory between blocks (the same chain, so the same bits).
+//! through memory between blocks (the same chain, so the same bits). Decode rows go through
+//! [`fp8_row`]: four groups (and on AVX-512 up to two rows) per call, one FMA chain per row,
+//! group and vector, and on CPUs that take f32 subnormal operands at full speed an E4M3 decode
+//! straight into f32 bits ([`fp8_bits_decode`]).
 //!
 //! **Scale products.** The AVX-512 kernels form E8M0 products `2^(sb − 127) · 2^offset` with
 //! `vscalefps` where the other kernels clamp the exponent sum into the f32 field; the two agree
@@ -480,56 +483,106 @@ pub(crate) fn fp8_tiled<'w>(
     }
 }
 
-/// Runs the MXFP8 kernel of `token`'s ISA on one activation row (`rows.count == 1`) and
-/// [`ROW_GROUPS`] groups of the same weight, writing `out[g][c]`: the same bits as
-/// [`fp8_group`] on each group, with independent chains where the ISA has a kernel for it.
-pub(crate) fn fp8_row(
+/// Runs the MXFP8 kernel of `token`'s ISA on R activation rows (`rows.count == R`, at most
+/// [`row_rows`]) and [`ROW_GROUPS`] groups of the same weight, writing `out[r][g][c]`: the
+/// same bits as [`fp8_group`] on each group, with independent chains where the ISA has a kernel
+/// for it.
+pub(crate) fn fp8_row<const R: usize>(
     token: IsaToken,
     gs: &[Fp8Group<'_>; ROW_GROUPS],
     rows: &Fp8Rows<'_>,
-    out: &mut [[f32; GROUP]; ROW_GROUPS],
+    out: [&mut [[f32; GROUP]; ROW_GROUPS]; R],
 ) {
-    assert_eq!(rows.count, 1);
+    fp8_row_v(token, fp8_bits_decode(), gs, rows, out)
+}
+
+/// The most rows [`fp4_row`] and [`fp8_row`] take at once on `token`'s ISA: 2 on AVX-512 (its 32
+/// registers hold both rows' eight chains), 1 elsewhere.
+pub(crate) fn row_rows(token: IsaToken) -> usize {
+    if matches!(token.0, Isa::Avx512 | Isa::Avx512Bf16) { 2 } else { 1 }
+}
+
+/// Whether the decode MXFP8 kernel decodes E4M3 straight into f32 bits
+/// (`x86::fp8::fp8_row_avx512vbmi`) rather than through IEEE halves: where the CPU has VBMI and
+/// takes f32 subnormal operands at full speed, since that decode turns E4M3 subnormal weights
+/// into f32 subnormals. AMD family 1Ah (Zen 5) and later: measured, eight independent FMAs with
+/// a subnormal multiplicand ran at the rate of normal ones, and one-row MXFP8 decode went from
+/// 34.5 to 23.8 µs for Qwen2.5-0.5B's L2-resident weight and (with the weights' prefetch) from
+/// 1.47× to 1.10× a plain read for Llama-3-8B's from DRAM, one core (docs/performance.md). Intel documents microcode assists
+/// for subnormal operands (hundreds of cycles each), and Zen 4 was not measured: both keep the
+/// half decode. The same bits either way.
+fn fp8_bits_decode() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return has_vbmi() && is_amd() && cpu_family() >= 0x1A;
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// [`fp8_row`], with the f32-bits decode only when `bits` (and the CPU has VBMI): the tests
+/// reach both AVX-512 kernels on CPUs with VBMI this way, whichever [`fp8_row`] chooses.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))] // `bits` matters on x86 only
+pub(crate) fn fp8_row_v<const R: usize>(
+    token: IsaToken,
+    bits: bool,
+    gs: &[Fp8Group<'_>; ROW_GROUPS],
+    rows: &Fp8Rows<'_>,
+    out: [&mut [[f32; GROUP]; ROW_GROUPS]; R],
+) {
+    assert!(rows.count == R && R <= row_rows(token));
     for g in gs {
         g.check(rows);
         assert!(g.v == gs[0].v && g.kb == gs[0].kb);
     }
     match token.0 {
         #[cfg(target_arch = "x86_64")]
+        // SAFETY: the token proves AVX-512 F and BW were detected, `has_vbmi` VBMI; `check`
+        // proved every group's lengths for these rows, the groups share v and kb (asserted
+        // above), and the guard checks the kernel's condition on v.
+        Isa::Avx512 | Isa::Avx512Bf16 if bits && has_vbmi() && gs[0].v.is_multiple_of(4) && gs[0].v <= 32 => unsafe {
+            x86::fp8::fp8_row_avx512vbmi::<R>(gs, rows, out)
+        },
+        #[cfg(target_arch = "x86_64")]
         // SAFETY: the token proves AVX-512 F and BW were detected; `check` proved every group's
         // lengths, and the groups share v and kb (asserted above).
-        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::fp8::fp8_row_avx512(gs, rows, out) },
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::fp8::fp8_row_avx512::<R>(gs, rows, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the token proves AVX2, FMA and F16C were detected; lengths as above; R = 1
+        // (`row_rows`, asserted above).
+        Isa::Avx2 => unsafe { x86::fp8::fp8_row_avx2(gs, rows, out.into_iter().next().expect("one row")) },
         _ => {
             let mut tile = [[0f32; GROUP]; MR];
-            for (g, o) in gs.iter().zip(out.iter_mut()) {
+            let mut out = out;
+            for (gi, g) in gs.iter().enumerate() {
                 fp8_group(token, g, rows, &mut tile);
-                *o = tile[0];
+                for (o, t) in out.iter_mut().zip(&tile) {
+                    o[gi] = *t;
+                }
             }
         }
     }
 }
 
-/// Runs the FP4 kernel of `token`'s ISA on one activation row (`rows.count() == 1`) and
-/// [`ROW_GROUPS`] groups of the same weight, writing `out[g][c]`: the same bits as
-/// [`fp4_group`] on each group, with independent chains where the ISA has a kernel for it.
-pub(crate) fn fp4_row(
+/// Runs the FP4 kernel of `token`'s ISA on R activation rows (`rows.count() == R`, at most
+/// [`row_rows`]) and [`ROW_GROUPS`] groups of the same weight, writing `out[r][g][c]`: the same
+/// bits as [`fp4_group`] on each group, with independent chains where the ISA has a kernel for it.
+pub(crate) fn fp4_row<const R: usize>(
     token: IsaToken,
     gs: &[Fp4Group<'_>; ROW_GROUPS],
     rows: &Fp4Rows<'_>,
-    out: &mut [[f32; GROUP]; ROW_GROUPS],
+    out: [&mut [[f32; GROUP]; ROW_GROUPS]; R],
 ) {
     fp4_row_v(token, true, gs, rows, out)
 }
 
 /// [`fp4_row`], with the AVX-512 VBMI decode only when `vbmi` (see [`fp4_group_v`]).
-pub(crate) fn fp4_row_v(
+pub(crate) fn fp4_row_v<const R: usize>(
     token: IsaToken,
     vbmi: bool,
     gs: &[Fp4Group<'_>; ROW_GROUPS],
     rows: &Fp4Rows<'_>,
-    out: &mut [[f32; GROUP]; ROW_GROUPS],
+    out: [&mut [[f32; GROUP]; ROW_GROUPS]; R],
 ) {
-    assert_eq!(rows.count(), 1);
+    assert!(rows.count() == R && R <= row_rows(token));
     // The rows' lengths once (they depend only on kb, pairs and kind, which the groups share).
     gs[0].check(rows);
     for g in &gs[1..] {
@@ -540,16 +593,22 @@ pub(crate) fn fp4_row_v(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the token proves AVX-512 F, BW and VNNI were detected, `has_vbmi` VBMI;
         // `check_group` proved every group's own lengths and `check` the rows' for `gs[0]`, which
-        // hold for every group since the groups share pairs, kb and kind (asserted above).
-        Isa::Avx512 | Isa::Avx512Bf16 if vbmi && has_vbmi() => unsafe { x86::fp4::fp4_row_avx512vbmi(gs, rows, out) },
+        // hold for every group since the groups share pairs, kb and kind (asserted above);
+        // `rows.count() == R` (asserted above).
+        Isa::Avx512 | Isa::Avx512Bf16 if vbmi && has_vbmi() => unsafe {
+            x86::fp4::fp4_row_avx512vbmi::<R>(gs, rows, out)
+        },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, without VBMI.
-        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::fp4::fp4_row_avx512(gs, rows, out) },
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::fp4::fp4_row_avx512::<R>(gs, rows, out) },
         _ => {
             let mut tile = [[0f32; GROUP]; MR];
-            for (g, o) in gs.iter().zip(out.iter_mut()) {
+            let mut out = out;
+            for (gi, g) in gs.iter().enumerate() {
                 fp4_group_v(token, vbmi, g, rows, &mut tile);
-                *o = tile[0];
+                for (o, t) in out.iter_mut().zip(&tile) {
+                    o[gi] = *t;
+                }
             }
         }
     }

@@ -229,20 +229,21 @@ fn real_shapes_and_adversarial_scales() {
     }
 }
 
-/// One token (decode): the one-row kernels (FP4 and MXFP8) take four column groups per call. Head sizes of 16,
-/// 64, 128 and 48 columns give panels of 1 to 8 groups: whole four-group calls, remainders, and
-/// panels with no four-group call at all; a tiny `tensor_sf` checks the subnormal end.
+/// Decode: the one-row kernels (FP4 and MXFP8) take four column groups per call, and on AVX-512
+/// the MXFP8 one takes two rows (two sequences of one token each, or one of two). Head sizes of
+/// 16, 64, 128 and 48 columns give panels of 1 to 8 groups: whole four-group calls, remainders,
+/// and panels with no four-group call at all; a tiny `tensor_sf` checks the subnormal end.
 #[test]
 fn decode_row_kernel_is_bit_identical() {
     let isas = isas();
     let mut rng = Rng::new(54);
     for (case, (hd, hq)) in [(16usize, 7usize), (64, 5), (128, 3), (48, 3)].into_iter().enumerate() {
-        for format in BlockFormat::ALL {
+        for (format, lens) in BlockFormat::ALL.into_iter().flat_map(|f| [(f, vec![1]), (f, vec![1, 1]), (f, vec![2])]) {
             let c = Config {
                 format,
                 k: [256, 160, 512, 96][case],
-                lens: vec![1],
-                cache_lengths: vec![rng.range(0, 40) as u32],
+                cache_lengths: lens.iter().map(|_| rng.range(0, 40) as u32).collect(),
+                lens,
                 hq,
                 hkv: 1,
                 hd,
@@ -257,8 +258,8 @@ fn decode_row_kernel_is_bit_identical() {
                 check_bound(&s, tsf, &base, &exact);
                 for &isa in &isas {
                     let got: (Vec<f32>, Vec<f32>) = run(&s, tsf, Some(Exec { par: Par::Rayon, isa: Some(isa) }), 5);
-                    assert_eq!(bits(&got.0), bits(&base.0), "{isa:?} {format:?} hd {hd}");
-                    assert_eq!(bits(&got.1), bits(&base.1), "{isa:?} {format:?} hd {hd}");
+                    assert_eq!(bits(&got.0), bits(&base.0), "{isa:?} {format:?} hd {hd} lens {:?}", c.lens);
+                    assert_eq!(bits(&got.1), bits(&base.1), "{isa:?} {format:?} hd {hd} lens {:?}", c.lens);
                 }
             }
         }

@@ -112,7 +112,7 @@ pub(crate) unsafe fn fp4_group_avx2<const R: usize>(
 /// Zen 5 better, 1.18× instead of 1.24–1.32×: [`crate::simd::prefetch_weights`]). 2 KiB and 4 KiB
 /// measured no better on Zen 5 (NVFP4 from DRAM, one thread: 0.78–0.85 and 0.74 of a plain
 /// read's rate, against 0.84–0.85 at 1 KiB).
-const PREFETCH: usize = 1024;
+pub(super) const PREFETCH: usize = 1024;
 
 #[inline(always)]
 fn prefetch(w: &[u8], off: usize) {
@@ -225,69 +225,89 @@ macro_rules! avx512_fp4_kernels {
             }
         }
 
-        /// One activation row against [`ROW_GROUPS`] adjacent 16-column groups (the decode shape, M = 1):
-        /// the same arithmetic per column as the group kernel (so the same bits), with four
-        /// independent integer and f32 chains where the one-group kernel has one; with a single row that
-        /// chain's latency, not the weight bytes, bounded the loop.
+        /// R (1 or 2) activation rows against [`ROW_GROUPS`] adjacent 16-column groups (the decode
+        /// shape): the same arithmetic per column as the group kernel (so the same bits), with
+        /// independent integer and f32 chains per row and group where the one-group kernel has one
+        /// per row (with one or two rows those chains' latency, not the weight bytes, bounded it),
+        /// and each weight vector's nibbles decoded once for the R rows.
         ///
         /// # Safety
-        /// AVX-512 F, BW and VNNI (and VBMI for the `vbmi` kernels) must be available; every group
-        /// has the same `pairs`, `kb` and `kind`, `check_group` passed for every group and
-        /// `check(rows)` for one (so the rows' lengths hold for all).
+        /// AVX-512 F, BW and VNNI (and VBMI for the `vbmi` kernels) must be available;
+        /// `rows.count() == R`; every group has the same `pairs`, `kb` and `kind`, `check_group`
+        /// passed for every group and `check(rows)` for one (so the rows' lengths hold for all).
         #[target_feature(enable = $features)]
-        pub(crate) unsafe fn $row(
+        pub(crate) unsafe fn $row<const R: usize>(
             gs: &[Fp4Group<'_>; ROW_GROUPS],
             rows: &Fp4Rows<'_>,
-            out: &mut [[f32; GROUP]; ROW_GROUPS],
+            out: [&mut [[f32; GROUP]; ROW_GROUPS]; R],
         ) {
             const G: usize = ROW_GROUPS;
+            debug_assert_eq!(rows.count(), R);
             let lut = _mm512_broadcast_i32x4(_mm_loadu_si128_safe(&LUT));
             let (pairs, kbs, kind) = (gs[0].pairs, gs[0].kb, gs[0].kind);
             let v = pairs * 8;
             let pf = crate::simd::prefetch_weights();
-            let a = rows.a[0];
-            let mut acc = [_mm512_setzero_ps(); G];
+            if pf {
+                super::prefetch_starts(gs.each_ref().map(|g| g.w));
+            }
+            let mut acc = [[_mm512_setzero_ps(); G]; R];
             for kb in 0..kbs {
-                // SAFETY: `check` proved corr[0] and sc[0] hold kb_total > kb values.
-                let (corr, sc) = unsafe { (get(rows.corr[0], kb), get(rows.sc[0], kb)) };
-                let mut i32acc = [_mm512_set1_epi32(-corr); G];
+                // SAFETY: `check` proved corr[r] and sc[r] hold kb_total > kb values.
+                let (corr, sc): ([i32; R], [u32; R]) = (
+                    std::array::from_fn(|r| unsafe { get(rows.corr[r], kb) }),
+                    std::array::from_fn(|r| unsafe { get(rows.sc[r], kb) }),
+                );
+                let mut i32acc: [[__m512i; G]; R] = std::array::from_fn(|r| [_mm512_set1_epi32(-corr[r]); G]);
                 for p in 0..pairs {
                     let off = (kb * pairs + p) * 64;
                     // SAFETY: `check` proved a.len() ≥ kb_total · v ≥ kb · v + p · 8 + 8.
-                    let (a0, a1) = unsafe { (read_u32(a, kb * v + p * 8), read_u32(a, kb * v + p * 8 + 4)) };
-                    let (a0, a1) = (_mm512_set1_epi32(a0), _mm512_set1_epi32(a1));
-                    for (g, ia) in gs.iter().zip(i32acc.iter_mut()) {
+                    let av: [(__m512i, __m512i); R] = std::array::from_fn(|r| unsafe {
+                        let a = rows.a[r];
+                        (
+                            _mm512_set1_epi32(read_u32(a, kb * v + p * 8)),
+                            _mm512_set1_epi32(read_u32(a, kb * v + p * 8 + 4)),
+                        )
+                    });
+                    for (gi, g) in gs.iter().enumerate() {
                         if pf {
                             prefetch(g.w, off + PREFETCH);
                         }
                         // SAFETY: `check` proved g.w.len() ≥ kb_total · pairs · 64 for every group.
                         let w = unsafe { _mm512_loadu_si512(g.w.as_ptr().add(off).cast()) };
                         let (wl, wh) = $nib(w, lut);
-                        *ia = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(*ia, wl, a0), wh, a1);
+                        for r in 0..R {
+                            let (a0, a1) = av[r];
+                            i32acc[r][gi] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i32acc[r][gi], wl, a0), wh, a1);
+                        }
                     }
                 }
-                for (g, (ia, ac)) in gs.iter().zip(i32acc.iter().zip(acc.iter_mut())) {
+                for (gi, g) in gs.iter().enumerate() {
                     // SAFETY: `check` proved g.ws.len() ≥ kb_total · 16.
                     let sb = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(g.ws.as_ptr().add(kb * GROUP).cast())) };
-                    let isum = *ia;
-                    let s = match kind {
-                        ScaleKind::E5m3 => _mm512_mul_ps(
-                            _mm512_castsi512_ps(_mm512_slli_epi32::<20>(sb)),
-                            _mm512_set1_ps(f32::from_bits(sc)),
-                        ),
-                        ScaleKind::E8m0 => {
-                            let e = _mm512_add_epi32(sb, _mm512_set1_epi32(sc as i32));
-                            let e =
-                                _mm512_min_epi32(_mm512_max_epi32(e, _mm512_setzero_si512()), _mm512_set1_epi32(255));
-                            _mm512_castsi512_ps(_mm512_slli_epi32::<23>(e))
-                        }
-                    };
-                    *ac = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, *ac);
+                    for r in 0..R {
+                        let s = match kind {
+                            ScaleKind::E5m3 => _mm512_mul_ps(
+                                _mm512_castsi512_ps(_mm512_slli_epi32::<20>(sb)),
+                                _mm512_set1_ps(f32::from_bits(sc[r])),
+                            ),
+                            ScaleKind::E8m0 => {
+                                let e = _mm512_add_epi32(sb, _mm512_set1_epi32(sc[r] as i32));
+                                let e = _mm512_min_epi32(
+                                    _mm512_max_epi32(e, _mm512_setzero_si512()),
+                                    _mm512_set1_epi32(255),
+                                );
+                                _mm512_castsi512_ps(_mm512_slli_epi32::<23>(e))
+                            }
+                        };
+                        acc[r][gi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i32acc[r][gi]), s, acc[r][gi]);
+                    }
                 }
             }
-            for (o, ac) in out.iter_mut().zip(acc) {
-                // SAFETY: o holds 16 f32.
-                unsafe { _mm512_storeu_ps(o.as_mut_ptr(), ac) };
+            for (o, ac) in out.into_iter().zip(acc) {
+                for (og, a) in o.iter_mut().zip(ac) {
+                    // SAFETY: og holds 16 f32.
+                    unsafe { _mm512_storeu_ps(og.as_mut_ptr(), a) };
+                }
             }
         }
     };

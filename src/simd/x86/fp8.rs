@@ -1,7 +1,9 @@
 //! AVX2 and AVX-512 MXFP8 group kernels (the canonical order is in `crate::simd::fp8`): E4M3
 //! weight bytes become IEEE half bits `(b << 9) >> 2 | (b << 8) & 0x8000` (= value · 2⁻⁸) in
 //! 16-bit lanes, `vcvtph2ps` widens them, and each row's block sum is a chain of f32 FMAs with the
-//! activation broadcast from memory.
+//! activation broadcast from memory. The decode (one- and two-row) kernels run four groups at
+//! once for independent chains; on AMD Zen 5 and later the AVX-512 one decodes E4M3 straight
+//! into f32 bits by `vpermb` instead ([`fp8_row_avx512vbmi`]).
 
 use crate::simd::fp8::{Fp8Group, Fp8Rows};
 use crate::simd::{GROUP, MR, ROW_GROUPS};
@@ -148,15 +150,79 @@ pub(crate) unsafe fn fp8_group_avx2<const R: usize>(
     }
 }
 
-/// One activation row against [`ROW_GROUPS`] adjacent groups (decode, M = 1): per column the
-/// arithmetic of [`fp8_group_avx512`] (so the same bits), with one FMA chain per group where a
-/// single group has one: that chain's latency, not the weight bytes, bounded the one-row loop.
+/// R (1 or 2) activation rows against [`ROW_GROUPS`] adjacent groups (decode): per column the
+/// arithmetic of [`fp8_group_avx512`] (so the same bits), with one FMA chain per row and group
+/// where a single group has one per row: those chains' latency, not the weight bytes, bounded the
+/// group kernel's one- and two-row loops. Each weight vector is decoded once for the R rows.
 ///
 /// # Safety
-/// AVX-512 F and BW must be available; `g.check(rows)` must have passed for every group, all
-/// with the same `v` and `kb`.
+/// AVX-512 F and BW must be available; `rows.count == R`; `g.check(rows)` must have passed for
+/// every group, all with the same `v` and `kb`.
 #[target_feature(enable = "avx512f,avx512bw")]
-pub(crate) unsafe fn fp8_row_avx512(
+pub(crate) unsafe fn fp8_row_avx512<const R: usize>(
+    gs: &[Fp8Group<'_>; ROW_GROUPS],
+    rows: &Fp8Rows<'_>,
+    out: [&mut [[f32; GROUP]; ROW_GROUPS]; R],
+) {
+    const G: usize = ROW_GROUPS;
+    debug_assert_eq!(rows.count, R);
+    let (v, kbs) = (gs[0].v, gs[0].kb);
+    let mut acc = [[_mm512_setzero_ps(); G]; R];
+    for b in 0..kbs {
+        let mut bs = [[_mm512_setzero_ps(); G]; R];
+        for kk in (b * v..(b + 1) * v).step_by(2) {
+            // SAFETY: `check` proved a.len() ≥ kb · V > kk + 1 for every row.
+            let av: [(__m512, __m512); R] = std::array::from_fn(|r| unsafe {
+                (_mm512_set1_ps(at(rows.a[r], kk)), _mm512_set1_ps(at(rows.a[r], kk + 1)))
+            });
+            for (gi, g) in gs.iter().enumerate() {
+                // SAFETY: `check` proved g.w.len() ≥ kb · V · 16 ≥ (kk + 2) · 16.
+                let (w0, w1) = unsafe { decode_pair(g, kk) };
+                for r in 0..R {
+                    let (a0, a1) = av[r];
+                    bs[r][gi] = _mm512_fmadd_ps(a1, w1, _mm512_fmadd_ps(a0, w0, bs[r][gi]));
+                }
+            }
+        }
+        for (gi, g) in gs.iter().enumerate() {
+            // SAFETY: `check` proved g.ws.len() ≥ kb · 16.
+            let sb = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(g.ws.as_ptr().add(b * GROUP).cast())) };
+            for r in 0..R {
+                let sc = scale!(
+                    _mm512_add_epi32,
+                    _mm512_min_epi32,
+                    _mm512_max_epi32,
+                    _mm512_set1_epi32,
+                    _mm512_setzero_si512,
+                    _mm512_slli_epi32,
+                    _mm512_castsi512_ps,
+                    sb,
+                    rows.sc[r][b]
+                );
+                acc[r][gi] = _mm512_fmadd_ps(bs[r][gi], sc, acc[r][gi]);
+            }
+        }
+    }
+    for (o, ac) in out.into_iter().zip(acc) {
+        for (og, a) in o.iter_mut().zip(ac) {
+            // SAFETY: og holds 16 f32.
+            unsafe { _mm512_storeu_ps(og.as_mut_ptr(), a) };
+        }
+    }
+}
+
+/// The AVX2 one-row kernel: [`fp8_group_avx2`]'s decode and arithmetic (so the same bits) on
+/// [`ROW_GROUPS`] groups at once, both halves of each, for eight independent FMA chains: the
+/// group kernel's one row has a single chain, whose latency (two dependent FMAs per k-pair)
+/// bounded it to ~2 weight bytes per cycle. The block accumulators live in `out` (read and
+/// written once per block), so that the eight chains, the two activations and the decode fit in
+/// the sixteen ymm registers.
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; `g.check(rows)` must have passed for every group, all
+/// with the same `v` and `kb`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn fp8_row_avx2(
     gs: &[Fp8Group<'_>; ROW_GROUPS],
     rows: &Fp8Rows<'_>,
     out: &mut [[f32; GROUP]; ROW_GROUPS],
@@ -164,38 +230,160 @@ pub(crate) unsafe fn fp8_row_avx512(
     const G: usize = ROW_GROUPS;
     let (v, kbs) = (gs[0].v, gs[0].kb);
     let a = rows.a[0];
-    let mut acc = [_mm512_setzero_ps(); G];
+    let pf = crate::simd::prefetch_weights();
+    if pf {
+        super::prefetch_starts(gs.each_ref().map(|g| g.w));
+    }
+    let sign = _mm256_set1_epi16(0x8000u16 as i16);
+    // 16 weight bytes (one k, 16 columns) → columns 0..8 and 8..16 as f32 `w · 2⁻⁸`.
+    let decode = |p: *const u8| {
+        // SAFETY: the caller passes a pointer to 16 readable bytes.
+        let x = _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(p.cast()) });
+        let mag = _mm256_srli_epi16::<2>(_mm256_slli_epi16::<9>(x));
+        let h = _mm256_or_si256(mag, _mm256_and_si256(_mm256_slli_epi16::<8>(x), sign));
+        (_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(h)))
+    };
+    for o in out.iter_mut() {
+        *o = [0.0; GROUP];
+    }
     for b in 0..kbs {
-        let mut bs = [_mm512_setzero_ps(); G];
+        let mut bs = [[_mm256_setzero_ps(); 2]; G];
         for kk in (b * v..(b + 1) * v).step_by(2) {
             // SAFETY: `check` proved a.len() ≥ kb · V > kk + 1.
-            let (a0, a1) = unsafe { (_mm512_set1_ps(at(a, kk)), _mm512_set1_ps(at(a, kk + 1))) };
+            let (a0, a1) = unsafe { (_mm256_set1_ps(at(a, kk)), _mm256_set1_ps(at(a, kk + 1))) };
             for (g, s) in gs.iter().zip(bs.iter_mut()) {
-                // SAFETY: `check` proved g.w.len() ≥ kb · V · 16 ≥ (kk + 2) · 16.
-                let (w0, w1) = unsafe { decode_pair(g, kk) };
-                *s = _mm512_fmadd_ps(a1, w1, _mm512_fmadd_ps(a0, w0, *s));
+                let p = g.w.as_ptr().wrapping_add(kk * GROUP);
+                if pf && kk % 4 == 0 {
+                    super::prefetch_t0(p.wrapping_add(super::fp4::PREFETCH));
+                }
+                // `check` proved g.w.len() ≥ kb · V · 16 ≥ (kk + 2) · 16: both rows are in bounds.
+                let ((w0l, w0h), (w1l, w1h)) = (decode(p), decode(p.wrapping_add(GROUP)));
+                s[0] = _mm256_fmadd_ps(a1, w1l, _mm256_fmadd_ps(a0, w0l, s[0]));
+                s[1] = _mm256_fmadd_ps(a1, w1h, _mm256_fmadd_ps(a0, w0h, s[1]));
             }
         }
-        for (g, (s, ac)) in gs.iter().zip(bs.iter().zip(acc.iter_mut())) {
-            // SAFETY: `check` proved g.ws.len() ≥ kb · 16.
-            let sb = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(g.ws.as_ptr().add(b * GROUP).cast())) };
-            let sc = scale!(
-                _mm512_add_epi32,
-                _mm512_min_epi32,
-                _mm512_max_epi32,
-                _mm512_set1_epi32,
-                _mm512_setzero_si512,
-                _mm512_slli_epi32,
-                _mm512_castsi512_ps,
-                sb,
-                rows.sc[0][b]
-            );
-            *ac = _mm512_fmadd_ps(*s, sc, *ac);
+        for (g, (s, o)) in gs.iter().zip(bs.iter().zip(out.iter_mut())) {
+            for (half, sh) in s.iter().enumerate() {
+                // SAFETY: `check` proved ws.len() ≥ kb · 16.
+                let sb =
+                    unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(g.ws.as_ptr().add(b * GROUP + half * 8).cast())) };
+                let sc = scale!(
+                    _mm256_add_epi32,
+                    _mm256_min_epi32,
+                    _mm256_max_epi32,
+                    _mm256_set1_epi32,
+                    _mm256_setzero_si256,
+                    _mm256_slli_epi32,
+                    _mm256_castsi256_ps,
+                    sb,
+                    rows.sc[0][b]
+                );
+                let dst = &mut o[half * 8..half * 8 + 8];
+                // SAFETY: dst holds 8 f32.
+                unsafe { _mm256_storeu_ps(dst.as_mut_ptr(), _mm256_fmadd_ps(*sh, sc, _mm256_loadu_ps(dst.as_ptr()))) };
+            }
         }
     }
-    for (o, ac) in out.iter_mut().zip(acc) {
-        // SAFETY: o holds 16 f32.
-        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), ac) };
+}
+
+/// `2¹¹²`: what [`fp8_row_avx512vbmi`] multiplies the activations by, since its decode leaves the
+/// weights at `w · 2⁻¹²⁰` instead of `w · 2⁻⁸`.
+const ACT_UP: f32 = f32::from_bits((127 + 112) << 23);
+
+/// [`fp8_row_avx512`]'s arithmetic with a cheaper E4M3 decode, for CPUs with VBMI that take f32
+/// subnormal operands at full speed ([`crate::simd::fp8_row`] chooses). `vpermb` puts weight byte
+/// `b` in the top byte of an f32 lane, `vpsrad` by 4 moves its magnitude bits to 26..20 (exponent
+/// 26..23, mantissa 22..20) with the sign still at 31, and an AND clears bits 30..27 and 19..0:
+/// the f32 whose bits are `(b & 0x80) << 24 | (b & 0x7F) << 20`, exactly `w · 2⁻¹²⁰` (E4M3
+/// subnormals become f32 subnormals `m · 2⁻¹²⁹`, which is why the CPU matters). Three integer
+/// operations per 16 weights instead of the half decode's seven, two of which are `vcvtph2ps`,
+/// the slowest.
+///
+/// The activations are taken as `a · 2¹¹²` (exact: E4M3 values as f32, |a| ≤ 448), so each
+/// product `(a · 2¹¹²) · (w · 2⁻¹²⁰)` is the real number `a · (w · 2⁻⁸)` the half kernels form,
+/// and every FMA rounds the same sum: the same bits as [`fp8_row_avx512`] in the canonical order
+/// (NaN bytes give some finite value; their columns are computed exactly). The weights' next
+/// kilobyte is prefetched where [`crate::simd::prefetch_weights`] says so.
+///
+/// # Safety
+/// AVX-512 F, BW and VBMI must be available; `rows.count == R`; `g.check(rows)` must have passed
+/// for every group, all with the same `v` and `kb`; `v` must be a multiple of 4 and at most 32.
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+pub(crate) unsafe fn fp8_row_avx512vbmi<const R: usize>(
+    gs: &[Fp8Group<'_>; ROW_GROUPS],
+    rows: &Fp8Rows<'_>,
+    out: [&mut [[f32; GROUP]; ROW_GROUPS]; R],
+) {
+    const G: usize = ROW_GROUPS;
+    debug_assert_eq!(rows.count, R);
+    let (v, kbs) = (gs[0].v, gs[0].kb);
+    debug_assert!(v.is_multiple_of(4) && v <= 32);
+    let pf = crate::simd::prefetch_weights();
+    if pf {
+        super::prefetch_starts(gs.each_ref().map(|g| g.w));
+    }
+    // idx[i]: the top byte of f32 lane c takes byte 16i + c (weight k + i, column c); the lower
+    // three bytes take byte 0, which the shift and the AND discard.
+    let idx: [__m512i; 4] = std::array::from_fn(|i| {
+        let mut b = [0u8; 64];
+        for c in 0..GROUP {
+            b[4 * c + 3] = (16 * i + c) as u8;
+        }
+        // SAFETY: `b` holds 64 bytes.
+        unsafe { _mm512_loadu_si512(b.as_ptr().cast()) }
+    });
+    let keep = _mm512_set1_epi32(0x87F0_0000u32 as i32);
+    let mut up = [[0f32; 32]; R];
+    let mut acc = [[_mm512_setzero_ps(); G]; R];
+    for b in 0..kbs {
+        // This block's activations times 2¹¹², where the FMAs broadcast them from.
+        for (u, a) in up.iter_mut().zip(rows.a) {
+            for (u, &x) in u.iter_mut().zip(&a[b * v..(b + 1) * v]) {
+                *u = x * ACT_UP;
+            }
+        }
+        let mut bs = [[_mm512_setzero_ps(); G]; R];
+        for kq in (0..v).step_by(4) {
+            let k0 = b * v + kq;
+            for (gi, g) in gs.iter().enumerate() {
+                if pf {
+                    super::prefetch_t0(g.w.as_ptr().wrapping_add(k0 * GROUP + super::fp4::PREFETCH));
+                }
+                // SAFETY: `check` proved g.w.len() ≥ kb · V · 16 ≥ (k0 + 4) · 16.
+                let x = unsafe { _mm512_loadu_si512(g.w.as_ptr().add(k0 * GROUP).cast()) };
+                for (i, ix) in idx.iter().enumerate() {
+                    let top = _mm512_permutexvar_epi8(*ix, x);
+                    let w = _mm512_castsi512_ps(_mm512_and_si512(_mm512_srai_epi32::<4>(top), keep));
+                    for r in 0..R {
+                        bs[r][gi] = _mm512_fmadd_ps(_mm512_set1_ps(up[r][kq + i]), w, bs[r][gi]);
+                    }
+                }
+            }
+        }
+        for (gi, g) in gs.iter().enumerate() {
+            // SAFETY: `check` proved g.ws.len() ≥ kb · 16.
+            let sb = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(g.ws.as_ptr().add(b * GROUP).cast())) };
+            for r in 0..R {
+                let sc = scale!(
+                    _mm512_add_epi32,
+                    _mm512_min_epi32,
+                    _mm512_max_epi32,
+                    _mm512_set1_epi32,
+                    _mm512_setzero_si512,
+                    _mm512_slli_epi32,
+                    _mm512_castsi512_ps,
+                    sb,
+                    rows.sc[r][b]
+                );
+                acc[r][gi] = _mm512_fmadd_ps(bs[r][gi], sc, acc[r][gi]);
+            }
+        }
+    }
+    for (o, ac) in out.into_iter().zip(acc) {
+        for (og, a) in o.iter_mut().zip(ac) {
+            // SAFETY: og holds 16 f32.
+            unsafe { _mm512_storeu_ps(og.as_mut_ptr(), a) };
+        }
     }
 }
 
