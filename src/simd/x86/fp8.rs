@@ -150,6 +150,52 @@ pub(crate) unsafe fn fp8_group_avx2<const R: usize>(
     }
 }
 
+/// The end of block `b` in the AVX-512 decode kernels: `acc[r][g] = fma(bs[r][g], s, acc[r][g])`
+/// with `s` the E8M0 block-scale product of group g's scale bytes and row r's offset.
+///
+/// # Safety
+/// `g.check(rows)` must have passed for every group, and `b < kb`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn rows_block_end<const R: usize>(
+    gs: &[Fp8Group<'_>; ROW_GROUPS],
+    rows: &Fp8Rows<'_>,
+    b: usize,
+    bs: &[[__m512; ROW_GROUPS]; R],
+    acc: &mut [[__m512; ROW_GROUPS]; R],
+) {
+    for (gi, g) in gs.iter().enumerate() {
+        // SAFETY: `check` proved g.ws.len() ≥ kb · 16 > b · 16 + 15.
+        let sb = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(g.ws.as_ptr().add(b * GROUP).cast())) };
+        for r in 0..R {
+            let sc = scale!(
+                _mm512_add_epi32,
+                _mm512_min_epi32,
+                _mm512_max_epi32,
+                _mm512_set1_epi32,
+                _mm512_setzero_si512,
+                _mm512_slli_epi32,
+                _mm512_castsi512_ps,
+                sb,
+                rows.sc[r][b]
+            );
+            acc[r][gi] = _mm512_fmadd_ps(bs[r][gi], sc, acc[r][gi]);
+        }
+    }
+}
+
+/// Stores the AVX-512 decode kernels' accumulators: `out[r][g] = acc[r][g]`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn rows_store<const R: usize>(out: [&mut [[f32; GROUP]; ROW_GROUPS]; R], acc: &[[__m512; ROW_GROUPS]; R]) {
+    for (o, ac) in out.into_iter().zip(acc) {
+        for (og, a) in o.iter_mut().zip(ac) {
+            // SAFETY: og holds 16 f32.
+            unsafe { _mm512_storeu_ps(og.as_mut_ptr(), *a) };
+        }
+    }
+}
+
 /// R (1 or 2) activation rows against [`ROW_GROUPS`] adjacent groups (decode): per column the
 /// arithmetic of [`fp8_group_avx512`] (so the same bits), with one FMA chain per row and group
 /// where a single group has one per row: those chains' latency, not the weight bytes, bounded the
@@ -184,31 +230,10 @@ pub(crate) unsafe fn fp8_row_avx512<const R: usize>(
                 }
             }
         }
-        for (gi, g) in gs.iter().enumerate() {
-            // SAFETY: `check` proved g.ws.len() ≥ kb · 16.
-            let sb = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(g.ws.as_ptr().add(b * GROUP).cast())) };
-            for r in 0..R {
-                let sc = scale!(
-                    _mm512_add_epi32,
-                    _mm512_min_epi32,
-                    _mm512_max_epi32,
-                    _mm512_set1_epi32,
-                    _mm512_setzero_si512,
-                    _mm512_slli_epi32,
-                    _mm512_castsi512_ps,
-                    sb,
-                    rows.sc[r][b]
-                );
-                acc[r][gi] = _mm512_fmadd_ps(bs[r][gi], sc, acc[r][gi]);
-            }
-        }
+        // SAFETY: `check` passed for every group (the caller's obligation) and b < kb.
+        unsafe { rows_block_end(gs, rows, b, &bs, &mut acc) };
     }
-    for (o, ac) in out.into_iter().zip(acc) {
-        for (og, a) in o.iter_mut().zip(ac) {
-            // SAFETY: og holds 16 f32.
-            unsafe { _mm512_storeu_ps(og.as_mut_ptr(), a) };
-        }
-    }
+    rows_store(out, &acc);
 }
 
 /// The AVX2 one-row kernel: [`fp8_group_avx2`]'s decode and arithmetic (so the same bits) on
@@ -360,31 +385,10 @@ pub(crate) unsafe fn fp8_row_avx512vbmi<const R: usize>(
                 }
             }
         }
-        for (gi, g) in gs.iter().enumerate() {
-            // SAFETY: `check` proved g.ws.len() ≥ kb · 16.
-            let sb = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(g.ws.as_ptr().add(b * GROUP).cast())) };
-            for r in 0..R {
-                let sc = scale!(
-                    _mm512_add_epi32,
-                    _mm512_min_epi32,
-                    _mm512_max_epi32,
-                    _mm512_set1_epi32,
-                    _mm512_setzero_si512,
-                    _mm512_slli_epi32,
-                    _mm512_castsi512_ps,
-                    sb,
-                    rows.sc[r][b]
-                );
-                acc[r][gi] = _mm512_fmadd_ps(bs[r][gi], sc, acc[r][gi]);
-            }
-        }
+        // SAFETY: `check` passed for every group (the caller's obligation) and b < kb.
+        unsafe { rows_block_end(gs, rows, b, &bs, &mut acc) };
     }
-    for (o, ac) in out.into_iter().zip(acc) {
-        for (og, a) in o.iter_mut().zip(ac) {
-            // SAFETY: og holds 16 f32.
-            unsafe { _mm512_storeu_ps(og.as_mut_ptr(), a) };
-        }
-    }
+    rows_store(out, &acc);
 }
 
 /// Decodes blocks `b0 .. b1` of the groups `gs` (1 or 2, same `v`) into `dst[(kk − b0·V)·16·G +
