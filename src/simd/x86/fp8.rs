@@ -45,6 +45,40 @@ macro_rules! scale {
     }};
 }
 
+/// [`scale!`] on 16 columns (AVX-512).
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn scale512(sb: __m512i, sc: u32) -> __m512 {
+    scale!(
+        _mm512_add_epi32,
+        _mm512_min_epi32,
+        _mm512_max_epi32,
+        _mm512_set1_epi32,
+        _mm512_setzero_si512,
+        _mm512_slli_epi32,
+        _mm512_castsi512_ps,
+        sb,
+        sc
+    )
+}
+
+/// [`scale!`] on 8 columns (AVX2).
+#[target_feature(enable = "avx2")]
+#[inline]
+fn scale256(sb: __m256i, sc: u32) -> __m256 {
+    scale!(
+        _mm256_add_epi32,
+        _mm256_min_epi32,
+        _mm256_max_epi32,
+        _mm256_set1_epi32,
+        _mm256_setzero_si256,
+        _mm256_slli_epi32,
+        _mm256_castsi256_ps,
+        sb,
+        sc
+    )
+}
+
 /// # Safety
 /// AVX-512 F and BW must be available; `g.check(rows)` must have passed.
 #[target_feature(enable = "avx512f,avx512bw")]
@@ -71,17 +105,7 @@ pub(crate) unsafe fn fp8_group_avx512<const R: usize>(
         // SAFETY: `check` proved ws.len() ≥ kb · 16.
         let sb = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(g.ws.as_ptr().add(b * GROUP).cast())) };
         for r in 0..R {
-            let s = scale!(
-                _mm512_add_epi32,
-                _mm512_min_epi32,
-                _mm512_max_epi32,
-                _mm512_set1_epi32,
-                _mm512_setzero_si512,
-                _mm512_slli_epi32,
-                _mm512_castsi512_ps,
-                sb,
-                rows.sc[r][b]
-            );
+            let s = scale512(sb, rows.sc[r][b]);
             acc[r] = _mm512_fmadd_ps(bs[r], s, acc[r]);
         }
     }
@@ -127,17 +151,7 @@ pub(crate) unsafe fn fp8_group_avx2<const R: usize>(
             // SAFETY: `check` proved ws.len() ≥ kb · 16.
             let sb = unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(g.ws.as_ptr().add(b * GROUP + half * 8).cast())) };
             for r in 0..R {
-                let s = scale!(
-                    _mm256_add_epi32,
-                    _mm256_min_epi32,
-                    _mm256_max_epi32,
-                    _mm256_set1_epi32,
-                    _mm256_setzero_si256,
-                    _mm256_slli_epi32,
-                    _mm256_castsi256_ps,
-                    sb,
-                    rows.sc[r][b]
-                );
+                let s = scale256(sb, rows.sc[r][b]);
                 acc[r] = _mm256_fmadd_ps(bs[r], s, acc[r]);
             }
         }
@@ -168,17 +182,7 @@ unsafe fn rows_block_end<const R: usize>(
         // SAFETY: `check` proved g.ws.len() ≥ kb · 16 > b · 16 + 15.
         let sb = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(g.ws.as_ptr().add(b * GROUP).cast())) };
         for r in 0..R {
-            let sc = scale!(
-                _mm512_add_epi32,
-                _mm512_min_epi32,
-                _mm512_max_epi32,
-                _mm512_set1_epi32,
-                _mm512_setzero_si512,
-                _mm512_slli_epi32,
-                _mm512_castsi512_ps,
-                sb,
-                rows.sc[r][b]
-            );
+            let sc = scale512(sb, rows.sc[r][b]);
             acc[r][gi] = _mm512_fmadd_ps(bs[r][gi], sc, acc[r][gi]);
         }
     }
@@ -292,17 +296,7 @@ pub(crate) unsafe fn fp8_row_avx2(
                 // SAFETY: `check` proved ws.len() ≥ kb · 16.
                 let sb =
                     unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(g.ws.as_ptr().add(b * GROUP + half * 8).cast())) };
-                let sc = scale!(
-                    _mm256_add_epi32,
-                    _mm256_min_epi32,
-                    _mm256_max_epi32,
-                    _mm256_set1_epi32,
-                    _mm256_setzero_si256,
-                    _mm256_slli_epi32,
-                    _mm256_castsi256_ps,
-                    sb,
-                    rows.sc[0][b]
-                );
+                let sc = scale256(sb, rows.sc[0][b]);
                 let dst = &mut o[half * 8..half * 8 + 8];
                 // SAFETY: dst holds 8 f32.
                 unsafe { _mm256_storeu_ps(dst.as_mut_ptr(), _mm256_fmadd_ps(*sh, sc, _mm256_loadu_ps(dst.as_ptr()))) };
