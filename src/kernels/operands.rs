@@ -429,9 +429,10 @@ mod tests {
 
     /// The decode MXFP8 kernels — AVX2 (one row), AVX-512 (one and two rows) with the half decode
     /// and with the f32-bits decode (the public tests reach only the AVX-512 one the CPU
-    /// selects) — bit for bit the scalar kernel, with every E4M3 byte but NaN in the weights (subnormals, ±0, ±448) and in
-    /// the activations, and block scales from 2⁻¹²⁷ to 2¹²⁷ on both sides (sums and scale
-    /// products that overflow f32, and ones far below its normal range).
+    /// selects) — bit for bit the scalar kernel, with every E4M3 byte but NaN in the weights
+    /// (subnormals, ±0, ±448) and in the activations, and block scales from 2⁻¹²⁷ to 2¹²⁷ on
+    /// both sides (sums and scale products that overflow f32, and ones far below its normal
+    /// range).
     #[test]
     fn fp8_row_kernels_with_either_decode_equal_the_scalar_kernel() {
         let tokens: Vec<IsaToken> =

@@ -508,9 +508,9 @@ pub(crate) fn row_rows(token: IsaToken) -> usize {
 /// into f32 subnormals. AMD family 1Ah (Zen 5) and later: measured, eight independent FMAs with
 /// a subnormal multiplicand ran at the rate of normal ones, and one-row MXFP8 decode went from
 /// 34.5 to 23.8 µs for Qwen2.5-0.5B's L2-resident weight and (with the weights' prefetch) from
-/// 1.47× to 1.10× a plain read for Llama-3-8B's from DRAM, one core (docs/performance.md). Intel documents microcode assists
-/// for subnormal operands (hundreds of cycles each), and Zen 4 was not measured: both keep the
-/// half decode. The same bits either way.
+/// 1.47× to 1.10× a plain read for Llama-3-8B's from DRAM, one core (docs/performance.md).
+/// Intel documents microcode assists for subnormal operands (hundreds of cycles each), and Zen 4
+/// was not measured: both keep the half decode. The same bits either way.
 fn fp8_bits_decode() -> bool {
     #[cfg(target_arch = "x86_64")]
     return has_vbmi() && is_amd() && cpu_family() >= 0x1A;
@@ -549,15 +549,22 @@ pub(crate) fn fp8_row_v<const R: usize>(
         // SAFETY: the token proves AVX2, FMA and F16C were detected; lengths as above; R = 1
         // (`row_rows`, asserted above).
         Isa::Avx2 => unsafe { x86::fp8::fp8_row_avx2(gs, rows, out.into_iter().next().expect("one row")) },
-        _ => {
-            let mut tile = [[0f32; GROUP]; MR];
-            let mut out = out;
-            for (gi, g) in gs.iter().enumerate() {
-                fp8_group(token, g, rows, &mut tile);
-                for (o, t) in out.iter_mut().zip(&tile) {
-                    o[gi] = *t;
-                }
-            }
+        _ => by_group(gs, out, |g, tile| fp8_group(token, g, rows, tile)),
+    }
+}
+
+/// The decode dispatchers' fallback where the ISA has no decode kernel: the group kernel `run`
+/// on each group in turn, its first R tile rows copied to `out[r][g]`.
+fn by_group<G, const R: usize>(
+    gs: &[G; ROW_GROUPS],
+    mut out: [&mut [[f32; GROUP]; ROW_GROUPS]; R],
+    mut run: impl FnMut(&G, &mut [[f32; GROUP]; MR]),
+) {
+    let mut tile = [[0f32; GROUP]; MR];
+    for (gi, g) in gs.iter().enumerate() {
+        run(g, &mut tile);
+        for (o, t) in out.iter_mut().zip(&tile) {
+            o[gi] = *t;
         }
     }
 }
@@ -601,16 +608,7 @@ pub(crate) fn fp4_row_v<const R: usize>(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, without VBMI.
         Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::fp4::fp4_row_avx512::<R>(gs, rows, out) },
-        _ => {
-            let mut tile = [[0f32; GROUP]; MR];
-            let mut out = out;
-            for (gi, g) in gs.iter().enumerate() {
-                fp4_group_v(token, vbmi, g, rows, &mut tile);
-                for (o, t) in out.iter_mut().zip(&tile) {
-                    o[gi] = *t;
-                }
-            }
-        }
+        _ => by_group(gs, out, |g, tile| fp4_group_v(token, vbmi, g, rows, tile)),
     }
 }
 

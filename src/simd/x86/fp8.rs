@@ -115,6 +115,17 @@ pub(crate) unsafe fn fp8_group_avx512<const R: usize>(
     }
 }
 
+/// Sixteen E4M3 bytes zero-extended to 16-bit lanes → the f32 `w · 2⁻⁸` of lanes 0..8 and 8..16:
+/// the bytes as IEEE half bits `(b << 9) >> 2 | (b << 8) & 0x8000`, then `vcvtph2ps`. The one
+/// E4M3 decode of the AVX2 kernels.
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+fn halves256(x: __m256i) -> (__m256, __m256) {
+    let mag = _mm256_srli_epi16::<2>(_mm256_slli_epi16::<9>(x));
+    let h = _mm256_or_si256(mag, _mm256_and_si256(_mm256_slli_epi16::<8>(x), _mm256_set1_epi16(0x8000u16 as i16)));
+    (_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(h)))
+}
+
 /// # Safety
 /// AVX2, FMA and F16C must be available; `g.check(rows)` must have passed.
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -124,7 +135,6 @@ pub(crate) unsafe fn fp8_group_avx2<const R: usize>(
     out: &mut [[f32; GROUP]; MR],
 ) {
     debug_assert_eq!(rows.count, R);
-    let sign = _mm256_set1_epi16(0x8000u16 as i16);
     let v = g.v;
     for half in 0..2 {
         let mut acc = [_mm256_setzero_ps(); R];
@@ -138,10 +148,7 @@ pub(crate) unsafe fn fp8_group_avx2<const R: usize>(
                     let hi = _mm_loadl_epi64(g.w.as_ptr().add((kk + 1) * GROUP + half * 8).cast());
                     _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(lo, hi))
                 };
-                let mag = _mm256_srli_epi16::<2>(_mm256_slli_epi16::<9>(x));
-                let h = _mm256_or_si256(mag, _mm256_and_si256(_mm256_slli_epi16::<8>(x), sign));
-                let w0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-                let w1 = _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(h));
+                let (w0, w1) = halves256(x);
                 for r in 0..R {
                     // SAFETY: `check` proved a.len() ≥ kb · V > kk + 1.
                     let (a0, a1) = unsafe { (at(rows.a[r], kk), at(rows.a[r], kk + 1)) };
@@ -263,15 +270,6 @@ pub(crate) unsafe fn fp8_row_avx2(
     if pf {
         super::prefetch_starts(gs.each_ref().map(|g| g.w));
     }
-    let sign = _mm256_set1_epi16(0x8000u16 as i16);
-    // 16 weight bytes (one k, 16 columns) → columns 0..8 and 8..16 as f32 `w · 2⁻⁸`.
-    let decode = |p: *const u8| {
-        // SAFETY: the caller passes a pointer to 16 readable bytes.
-        let x = _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(p.cast()) });
-        let mag = _mm256_srli_epi16::<2>(_mm256_slli_epi16::<9>(x));
-        let h = _mm256_or_si256(mag, _mm256_and_si256(_mm256_slli_epi16::<8>(x), sign));
-        (_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(h)))
-    };
     for o in out.iter_mut() {
         *o = [0.0; GROUP];
     }
@@ -285,8 +283,12 @@ pub(crate) unsafe fn fp8_row_avx2(
                 if pf && kk % 4 == 0 {
                     super::prefetch_t0(p.wrapping_add(super::fp4::PREFETCH));
                 }
-                // `check` proved g.w.len() ≥ kb · V · 16 ≥ (kk + 2) · 16: both rows are in bounds.
-                let ((w0l, w0h), (w1l, w1h)) = (decode(p), decode(p.wrapping_add(GROUP)));
+                // Weights k and k + 1, 16 columns each.
+                // SAFETY: `check` proved g.w.len() ≥ kb · V · 16 ≥ (kk + 2) · 16: both rows are in
+                // bounds.
+                let (x0, x1) = unsafe { (_mm_loadu_si128(p.cast()), _mm_loadu_si128(p.add(GROUP).cast())) };
+                let (w0l, w0h) = halves256(_mm256_cvtepu8_epi16(x0));
+                let (w1l, w1h) = halves256(_mm256_cvtepu8_epi16(x1));
                 s[0] = _mm256_fmadd_ps(a1, w1l, _mm256_fmadd_ps(a0, w0l, s[0]));
                 s[1] = _mm256_fmadd_ps(a1, w1h, _mm256_fmadd_ps(a0, w0h, s[1]));
             }
