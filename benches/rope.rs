@@ -9,14 +9,16 @@
 //! (`common/paired.rs`), so the VM's drift between groups stays out of the ratio.
 //! `paired/fma_floor/…` groups pair one-thread RoPE calls with an FMA peak loop instead, in f32
 //! lanes of multiplies and FMAs: the share of the FMA pipes the rotation's arithmetic uses.
+//! `paired/threads/…` groups pair small calls on a two-thread pool with the same calls kept on
+//! one thread (rows per second): whether the pool ever slows a call down.
 
 use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main, measurement::WallTime};
 use paged_qkv::fast::{self, PackedPlainWeights, PackedWeights, QkvFp4PackedArgs, QkvRaggedPackedArgs};
 use paged_qkv::formats::quantize::{amax, nvfp4_global_scale, quantize};
 use paged_qkv::ops::{Freqs, QkvRope};
 use paged_qkv::{
-    BlockFormat, CacheShape, Element, Isa, KvSel, KvStoreRaggedArgs, KvWrite, PageTable, PagedKvCache, RopeMath,
-    RopeRaggedArgs, bf16,
+    BlockFormat, CacheShape, Element, Exec, Isa, KvSel, KvStoreRaggedArgs, KvWrite, PageTable, PagedKvCache, Par,
+    RopeMath, RopeRaggedArgs, bf16,
 };
 use std::hint::black_box;
 use std::time::Duration;
@@ -315,5 +317,54 @@ fn kv_store(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, standalone_all, fused, kv_store);
+/// Small calls on a two-thread pool: each call (bf16, half-split RoPE of one sequence's new
+/// tokens, or its KV store of the K rows) as the pool runs it, paired with the same call told to
+/// stay on the calling thread (`Par::Sequential`), in rows per second. A ratio below 1 means the
+/// second thread slowed the call down; `kernels::rope` keeps calls below a byte grain per share
+/// on one thread for that reason (docs/performance.md, "Small calls on one thread").
+fn small_calls(c: &mut Criterion) {
+    let p = pool(2);
+    for m in [LLAMA, QWEN] {
+        for tokens in [8usize, 16, 32, 64, 128] {
+            let q: Vec<bf16> = random(tokens * m.hq * m.hd, 1);
+            let freqs = paged_qkv::freqs_cis(tokens, m.hd, m.theta);
+            let offs = [0, tokens as u32];
+            let rope_args = RopeRaggedArgs {
+                q_proj: &q,
+                input_row_offsets: &offs,
+                num_q_heads: m.hq,
+                q_head_size: m.hd,
+                freqs_cis: &freqs,
+                rope_dim: m.hd,
+                position_ids: None,
+                interleaved: false,
+            };
+            let vals: Vec<bf16> = random(tokens * m.hkv * m.hd, 2);
+            let store_args = KvStoreRaggedArgs { values: &vals, input_row_offsets: &offs, which: KvSel::K };
+            // Each side its own output and cache.
+            let (mut out, mut out1) = (vec![bf16::default(); q.len()], vec![bf16::default(); q.len()]);
+            let (mut cache, mut cache1) = (cache_for::<bf16>(&m, tokens), cache_for::<bf16>(&m, tokens));
+            let seq = Exec { par: Par::Sequential, ..exec() };
+            let gname = format!("paired/threads/rope/{}/bf16/t{tokens}/rows", m.name);
+            let mut g = setup_group(c, &gname);
+            let mut kern = || fast::rope_ragged(&rope_args, &mut out, &mut cache.kv(), RopeMath::F32, exec()).unwrap();
+            let mut base = || fast::rope_ragged(&rope_args, &mut out1, &mut cache1.kv(), RopeMath::F32, seq).unwrap();
+            let work = tokens as u64;
+            let (k, b) =
+                (Side { name: "pool_t2", work, run: &mut kern }, Side { name: "one_thread", work, run: &mut base });
+            paired::run(&mut g, &gname, &p, k, b);
+            g.finish();
+            let gname = format!("paired/threads/kv_store/{}/bf16/t{tokens}/rows", m.name);
+            let mut g = setup_group(c, &gname);
+            let mut kern = || fast::kv_store_ragged(&store_args, &mut cache.kv(), exec()).unwrap();
+            let mut base = || fast::kv_store_ragged(&store_args, &mut cache1.kv(), seq).unwrap();
+            let (k, b) =
+                (Side { name: "pool_t2", work, run: &mut kern }, Side { name: "one_thread", work, run: &mut base });
+            paired::run(&mut g, &gname, &p, k, b);
+            g.finish();
+        }
+    }
+}
+
+criterion_group!(benches, standalone_all, fused, kv_store, small_calls);
 criterion_main!(benches);

@@ -189,12 +189,32 @@ type Bufs = (Pooled<f32>, Pooled<f32>);
 /// into shares of a row or two, whose joins would cost more than their rows).
 const PAR_ROWS: usize = 8;
 
+/// The fewest bytes (read and written) a RoPE share moves, and a KV store's: below two shares'
+/// worth, a call runs on the calling thread. A share's `rayon::join` costs about a µs on the
+/// 2-vCPU VMs these were measured on, so cut by rows alone (at least four per share) small calls
+/// ran slower on two threads than on one. Paired bench on AMD Zen 5 (`cargo bench --bench rope --
+/// paired/threads`: each bf16 call on a two-thread pool against the same call kept on one
+/// thread), rate on two threads ÷ on one, rows cut alone → with these grains:
+/// RoPE, 8 Llama-3-8B-shaped tokens (164 KB moved) 0.77 → 0.99, 16 of them (328 KB, still cut)
+/// 1.20 → 1.21; 8 / 16 / 32 Qwen2.5-0.5B-shaped (33–131 KB) 0.80 / 0.58 / 0.84 → 1.05 / 1.00 /
+/// 0.99, 64 of them (262 KB, cut) 1.14 → 1.11. A KV store moves its bytes at about a copy's
+/// rate, so a µs buys more of them: 8–64 Llama-shaped K rows (16–262 KB) 0.69–0.88 → 1.00–1.04,
+/// 128 of them (524 KB) 0.69–0.73 in two reruns (→ 1.00); cut at 256 KiB they read 0.85–0.94.
+/// Qwen-shaped K rows 8–128 (4–66 KB) 0.26–0.78 → 0.92–1.00. A driver calling back to back
+/// found two threads faster from 1 MiB (256 Llama-shaped K rows: 9.0 → 4.9 µs).
+/// docs/performance.md, "Small calls on one thread".
+/// Under Miri none (0): its tests are small, and they are there to check the shares' threads.
+const ROPE_SHARE_BYTES: usize = if cfg!(miri) { 0 } else { 128 << 10 };
+/// See [`ROPE_SHARE_BYTES`].
+const STORE_SHARE_BYTES: usize = if cfg!(miri) { 0 } else { 512 << 10 };
+
 /// Runs `job(row, (slot, freqs row), buffers, output row)` for every row (`output` in rows of
 /// `width`) that `slots` gives a slot. When `parallel`, with enough rows and more than one thread,
-/// the rows are cut into one contiguous share per thread of the current rayon pool (at most one
-/// per `PAR_ROWS / 2` rows), each holding as many active rows as the others (an inactive row, a
-/// padded or unslotted one, costs next to nothing), and the shares run through a tree of
-/// `rayon::join`; each share's buffers come from its thread's pool.
+/// the rows are cut into one contiguous share per thread of the current rayon pool (each share at
+/// least `PAR_ROWS / 2` rows and `grain` bytes, a row moving `row_bytes`: [`ROPE_SHARE_BYTES`]),
+/// each holding as many active rows as the others (an inactive row, a padded or unslotted one,
+/// costs next to nothing), and the shares run through a tree of `rayon::join`; each share's
+/// buffers come from its thread's pool.
 ///
 /// Why one share per thread instead of rayon's adaptive split of the rows (`par_chunks_mut` +
 /// `with_min_len(4)`, the earlier version): every split is a task with its own wake-up and
@@ -209,14 +229,14 @@ const PAR_ROWS: usize = 8;
 /// ([`RowSlots::run`]) instead of one row at a time (`n` = 1).
 fn for_rows<T: Send, S: RowSlots, const RUNS: bool>(
     parallel: bool,
+    (row_bytes, grain): (usize, usize),
     output: &mut [T],
     width: usize,
     slots: &S,
     job: impl Fn(usize, (usize, usize, usize), &mut Bufs, &mut [T]) + Sync,
 ) {
     let rows = output.len() / width;
-    let threads =
-        if parallel && rows >= PAR_ROWS { rayon::current_num_threads().min(rows / (PAR_ROWS / 2)) } else { 1 };
+    let threads = share_count(parallel, rows, row_bytes, grain);
     let share = |first: usize, out: &mut [T]| {
         let mut bufs = (Pooled::new(), Pooled::new());
         let mut cursor = slots.cursor(first);
@@ -242,6 +262,17 @@ fn for_rows<T: Send, S: RowSlots, const RUNS: bool>(
         return;
     }
     shares(&share, slots, 0, output, width, threads);
+}
+
+/// The number of shares [`for_rows`] cuts `rows` rows of `row_bytes` bytes each into: one per
+/// thread of the current rayon pool, each at least `PAR_ROWS / 2` rows and `grain` bytes; 1 when
+/// not `parallel`.
+fn share_count(parallel: bool, rows: usize, row_bytes: usize, grain: usize) -> usize {
+    let fewest = (PAR_ROWS / 2).max(grain.div_ceil(row_bytes.max(1)));
+    match parallel && rows >= 2 * fewest {
+        true => rayon::current_num_threads().min(rows / fewest),
+        false => 1,
+    }
 }
 
 /// Splits rows `first ..` (`output`, rows of `width`) into `threads` contiguous shares of equal
@@ -292,6 +323,7 @@ fn cut(active: impl Fn(usize) -> bool, first: usize, rows: usize, left: usize, t
 /// runs of `n` rows whose slots lie `kw` apart (contiguous) and freqs rows are consecutive.
 fn slot_rows<T: Send, C: Send, const RUNS: bool>(
     parallel: bool,
+    row_bytes: usize,
     output: &mut [T],
     (qw, kw): (usize, usize),
     cache: &SharedMut<'_, C>,
@@ -300,7 +332,7 @@ fn slot_rows<T: Send, C: Send, const RUNS: bool>(
 ) {
     // A run's slots must be the contiguous `n · kw` values that `slice_mut` hands out below.
     assert!(!RUNS || slots.stride() == kw, "runs of slots {} apart, {kw} values each", slots.stride());
-    for_rows::<T, _, RUNS>(parallel, output, qw, slots, |r, (base, p, n), bufs, o| {
+    for_rows::<T, _, RUNS>(parallel, (row_bytes, ROPE_SHARE_BYTES), output, qw, slots, |r, (base, p, n), bufs, o| {
         // SAFETY: every `RowSlots` gives distinct rows disjoint slots (a slot plan checked every
         // slot, or no two written pages share a block; `SeqSlots`), so the ranges
         // `base .. base + kw` of distinct rows are disjoint (a slot holds the row's kw K values);
@@ -341,24 +373,30 @@ pub(crate) fn rope_rows<T: Element, F: Element, C: Element>(
     // The token kernels take runs of rows (where the slots give them: consecutive tokens of one
     // sequence in one page), the others one row at a time.
     let runs = slots.stride() == kw;
+    // What a row moves: its Q row read and written, its K heads read and written, its freqs read.
+    let row_bytes = 2 * (qw * size_of::<T>() + kw * size_of::<C>()) + rd * size_of::<F>();
     if let Some(t) = TokenFn::<T, C, F>::new(token, i, r, rd, spec.q_heads, spec.k_heads) {
         let job = |r, p, n, _: &mut Bufs, o: &mut [T], k: &mut [C]| {
             t.run(&spec.freqs[p * rd..(p + n) * rd], &q_proj[r * qw..(r + n) * qw], o, k, n, kw)
         };
         match runs {
-            true => slot_rows::<T, C, true>(parallel, output, (qw, kw), &cache, slots, job),
-            false => slot_rows::<T, C, false>(parallel, output, (qw, kw), &cache, slots, job),
+            true => slot_rows::<T, C, true>(parallel, row_bytes, output, (qw, kw), &cache, slots, job),
+            false => slot_rows::<T, C, false>(parallel, row_bytes, output, (qw, kw), &cache, slots, job),
         }
         return;
     }
     match HalfRows::<T, C>::new(token, i, r, rd, spec.q_heads, spec.k_heads) {
-        Some(h) => slot_rows::<T, C, false>(parallel, output, (qw, kw), &cache, slots, |r, p, _, bufs, o, k| {
-            bufs.0.resize(h.buf_len(), 0.0);
-            h.row(&spec.freqs[p * rd..(p + 1) * rd], &q_proj[r * qw..(r + 1) * qw], o, k, &mut bufs.0);
-        }),
-        None => slot_rows::<T, C, false>(parallel, output, (qw, kw), &cache, slots, |r, p, _, bufs, o, k| {
-            spec.row(token, p, &q_proj[r * qw..(r + 1) * qw], o, k, bufs)
-        }),
+        Some(h) => {
+            slot_rows::<T, C, false>(parallel, row_bytes, output, (qw, kw), &cache, slots, |r, p, _, bufs, o, k| {
+                bufs.0.resize(h.buf_len(), 0.0);
+                h.row(&spec.freqs[p * rd..(p + 1) * rd], &q_proj[r * qw..(r + 1) * qw], o, k, &mut bufs.0);
+            })
+        }
+        None => {
+            slot_rows::<T, C, false>(parallel, row_bytes, output, (qw, kw), &cache, slots, |r, p, _, bufs, o, k| {
+                spec.row(token, p, &q_proj[r * qw..(r + 1) * qw], o, k, bufs)
+            })
+        }
     }
 }
 
@@ -393,15 +431,16 @@ pub(crate) fn store_rows<T: Element, C: Element>(
         convert(token, &values[r * width..(r + n) * width], dst, &mut bufs.0);
     };
     let runs = slots.stride() == width;
+    let grain = (width * (size_of::<T>() + size_of::<C>()), STORE_SHARE_BYTES);
     match runs {
-        true => for_rows::<_, _, true>(parallel, &mut rows, 1, slots, job),
-        false => for_rows::<_, _, false>(parallel, &mut rows, 1, slots, job),
+        true => for_rows::<_, _, true>(parallel, grain, &mut rows, 1, slots, job),
+        false => for_rows::<_, _, false>(parallel, grain, &mut rows, 1, slots, job),
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{PAR_ROWS, RowSlots, cut, for_rows};
+    use super::{PAR_ROWS, RowSlots, cut, for_rows, share_count};
     use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
     /// Rows active by [`pattern`], each with slot and position `r`.
@@ -461,14 +500,23 @@ mod tests {
                         let hits: Vec<AtomicUsize> = (0..rows).map(|_| AtomicUsize::new(0)).collect();
                         let mut out = vec![usize::MAX; 3 * rows];
                         let active = |r: usize| pattern(p, r, rows);
+                        // A grain of 16 one-byte rows: 64 and 65 rows make at most four shares.
+                        let grain = if p % 2 == 0 { 0 } else { 16 };
                         pool.install(|| {
-                            for_rows::<_, _, RUNS>(true, &mut out, 3, &Pattern(p, rows), |r, (s, q, n), _, o| {
-                                assert!((s, q) == (r, r) && o.len() == 3 * n && (RUNS || n == 1));
-                                for (i, o) in o.chunks_mut(3).enumerate() {
-                                    hits[r + i].fetch_add(1, Relaxed);
-                                    o.fill(r + i);
-                                }
-                            })
+                            for_rows::<_, _, RUNS>(
+                                true,
+                                (1, grain),
+                                &mut out,
+                                3,
+                                &Pattern(p, rows),
+                                |r, (s, q, n), _, o| {
+                                    assert!((s, q) == (r, r) && o.len() == 3 * n && (RUNS || n == 1));
+                                    for (i, o) in o.chunks_mut(3).enumerate() {
+                                        hits[r + i].fetch_add(1, Relaxed);
+                                        o.fill(r + i);
+                                    }
+                                },
+                            )
                         });
                         for r in 0..rows {
                             let (want, got) = (usize::from(active(r)), hits[r].load(Relaxed));
@@ -483,6 +531,33 @@ mod tests {
         }
         check::<false>();
         check::<true>();
+    }
+
+    /// A call is cut into one share per thread, each share at least `PAR_ROWS / 2` rows and the
+    /// grain's bytes, and runs on the calling thread when it cannot fill two such shares.
+    #[test]
+    fn shares_hold_the_grain() {
+        for threads in [1, 2, 3, 8] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| {
+                for rows in [0, 1, 7, 8, 9, 63, 64, 65, 1000] {
+                    for (row_bytes, grain) in [(1, 0), (1000, 0), (1000, 16_000), (1000, 16_001), (3, 100), (0, 100)] {
+                        let n = share_count(true, rows, row_bytes, grain);
+                        assert_eq!(share_count(false, rows, row_bytes, grain), 1);
+                        let fewest = (PAR_ROWS / 2).max(grain.div_ceil(row_bytes.max(1)));
+                        let at = format!("{threads} threads, {rows} rows of {row_bytes} bytes, grain {grain}");
+                        assert!(n >= 1 && n <= threads, "{at}: {n} shares");
+                        if n > 1 {
+                            // Each share holds at least `fewest` rows (so `grain` bytes; a row counts a byte at least).
+                            assert!(rows / n >= fewest && (rows / n) * row_bytes.max(1) >= grain, "{at}: {n} shares");
+                        }
+                        // As many shares as fit, up to the threads.
+                        let fit = rows / fewest;
+                        assert_eq!(n, if fit >= 2 { fit.min(threads) } else { 1 }, "{at}");
+                    }
+                }
+            });
+        }
     }
 
     /// The left part of a cut holds its share of the active rows, however they lie.

@@ -1117,15 +1117,18 @@ impl StoreThenRope<'_> {
 /// The parallel row split (one share per pool thread, balanced by rows with work) on pools of
 /// 1, 2, 3 and 5 threads, with the padding of a BSHD batch concentrated in one end: the padded
 /// RoPE and KV store equal the oracle bit for bit (padded rows untouched) whatever the shares.
+/// The calls are large enough to be cut at all (a share moves at least the byte grain of
+/// `kernels::rope`): 256 rows, the RoPE's of 12 416 bytes (at most 23 shares of 11 rows), the
+/// KV store's of 8 KiB (at most 4 shares of 64 rows).
 #[test]
 fn rope_and_kv_store_thread_counts_and_skewed_padding() {
     let mut rng = Rng::new(79);
-    let (batch, seq, hq, hkv, d, page) = (4, 8, 2, 1, 64, 4);
+    let (batch, seq, hq, hkv, d, page) = (4, 64, 16, 32, 64, 16);
     let shape = CacheShape::mha(64, 1, page, hkv, d).unwrap();
     let q: Vec<bf16> = (0..batch * seq * hq * d).map(|_| bf16::from_f32(rng.normal())).collect();
     let values: Vec<bf16> = (0..batch * seq * hkv * d).map(|_| bf16::from_f32(rng.normal())).collect();
-    let f: Vec<bf16> = freqs(32, d);
-    for valid in [[8u32, 8, 0, 1], [0, 0, 3, 8], [8, 0, 0, 0], [1, 1, 1, 1]] {
+    let f: Vec<bf16> = freqs(80, d);
+    for valid in [[64u32, 64, 0, 1], [0, 0, 3, 64], [64, 0, 0, 0], [1, 1, 1, 1]] {
         let lens: Vec<u32> = (0..batch).map(|_| rng.range(0, 9) as u32).collect();
         let new: Vec<usize> = valid.iter().map(|&v| v as usize).collect();
         let pg = pages(&mut rng, &lens, &new, page, 64);
