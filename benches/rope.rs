@@ -109,6 +109,26 @@ impl<T: Element> CopyBufs<T> {
     }
 }
 
+/// One sequence's ragged RoPE arguments for `m`'s heads (the whole head rotated, no position ids).
+fn rope_args<'a, T: Element>(
+    m: &Model,
+    q: &'a [T],
+    offs: &'a [u32],
+    freqs: &'a [f32],
+    interleaved: bool,
+) -> RopeRaggedArgs<'a, T, f32> {
+    RopeRaggedArgs {
+        q_proj: q,
+        input_row_offsets: offs,
+        num_q_heads: m.hq,
+        q_head_size: m.hd,
+        freqs_cis: freqs,
+        rope_dim: m.hd,
+        position_ids: None,
+        interleaved,
+    }
+}
+
 /// Standalone ragged RoPE (NeoX halves, or interleaved pairs in the `rope_interleaved` groups;
 /// f32 math, f32 freqs) vs a copy of the same bytes.
 fn standalone<T: Element>(c: &mut Criterion, dtype: &str, interleaved: bool, token_counts: &[usize]) {
@@ -126,16 +146,7 @@ fn standalone<T: Element>(c: &mut Criterion, dtype: &str, interleaved: bool, tok
             let mut g = setup_group(c, &format!("{op}/{}/{dtype}/t{tokens}/bytes", m.name));
             g.throughput(Throughput::Bytes(bytes as u64));
             let rope = |out: &mut [T], cache: &mut Cache<T>| {
-                let args = RopeRaggedArgs {
-                    q_proj: &q,
-                    input_row_offsets: &offs,
-                    num_q_heads: m.hq,
-                    q_head_size: m.hd,
-                    freqs_cis: &freqs,
-                    rope_dim: m.hd,
-                    position_ids: None,
-                    interleaved,
-                };
+                let args = rope_args(&m, &q, &offs, &freqs, interleaved);
                 fast::rope_ragged(&args, out, &mut cache.kv(), RopeMath::F32, exec()).unwrap()
             };
             for threads in [1usize, 2] {
@@ -329,16 +340,7 @@ fn small_calls(c: &mut Criterion) {
             let q: Vec<bf16> = random(tokens * m.hq * m.hd, 1);
             let freqs = paged_qkv::freqs_cis(tokens, m.hd, m.theta);
             let offs = [0, tokens as u32];
-            let rope_args = RopeRaggedArgs {
-                q_proj: &q,
-                input_row_offsets: &offs,
-                num_q_heads: m.hq,
-                q_head_size: m.hd,
-                freqs_cis: &freqs,
-                rope_dim: m.hd,
-                position_ids: None,
-                interleaved: false,
-            };
+            let rope_args = rope_args(&m, &q, &offs, &freqs, false);
             let vals: Vec<bf16> = random(tokens * m.hkv * m.hd, 2);
             let store_args = KvStoreRaggedArgs { values: &vals, input_row_offsets: &offs, which: KvSel::K };
             // Each side its own output and cache.
