@@ -211,8 +211,8 @@ const STORE_SHARE_BYTES: usize = if cfg!(miri) { 0 } else { 512 << 10 };
 /// Runs `job(row, (slot, freqs row), buffers, output row)` for every row (`output` in rows of
 /// `width`) that `slots` gives a slot. When `parallel`, with enough rows and more than one thread,
 /// the rows are cut into one contiguous share per thread of the current rayon pool (each share at
-/// least `PAR_ROWS / 2` rows and `grain` bytes, a row moving `row_bytes`: [`ROPE_SHARE_BYTES`]),
-/// each holding as many active rows as the others (an inactive row, a padded or unslotted one,
+/// least `PAR_ROWS / 2` rows and `grain` bytes, a row moving `row_bytes`; see
+/// [`ROPE_SHARE_BYTES`]), each holding as many active rows as the others (an inactive row, a padded or unslotted one,
 /// costs next to nothing), and the shares run through a tree of `rayon::join`; each share's
 /// buffers come from its thread's pool.
 ///
@@ -323,7 +323,7 @@ fn cut(active: impl Fn(usize) -> bool, first: usize, rows: usize, left: usize, t
 /// runs of `n` rows whose slots lie `kw` apart (contiguous) and freqs rows are consecutive.
 fn slot_rows<T: Send, C: Send, const RUNS: bool>(
     parallel: bool,
-    row_bytes: usize,
+    grain: (usize, usize),
     output: &mut [T],
     (qw, kw): (usize, usize),
     cache: &SharedMut<'_, C>,
@@ -332,7 +332,7 @@ fn slot_rows<T: Send, C: Send, const RUNS: bool>(
 ) {
     // A run's slots must be the contiguous `n · kw` values that `slice_mut` hands out below.
     assert!(!RUNS || slots.stride() == kw, "runs of slots {} apart, {kw} values each", slots.stride());
-    for_rows::<T, _, RUNS>(parallel, (row_bytes, ROPE_SHARE_BYTES), output, qw, slots, |r, (base, p, n), bufs, o| {
+    for_rows::<T, _, RUNS>(parallel, grain, output, qw, slots, |r, (base, p, n), bufs, o| {
         // SAFETY: every `RowSlots` gives distinct rows disjoint slots (a slot plan checked every
         // slot, or no two written pages share a block; `SeqSlots`), so the ranges
         // `base .. base + kw` of distinct rows are disjoint (a slot holds the row's kw K values);
@@ -373,30 +373,27 @@ pub(crate) fn rope_rows<T: Element, F: Element, C: Element>(
     // The token kernels take runs of rows (where the slots give them: consecutive tokens of one
     // sequence in one page), the others one row at a time.
     let runs = slots.stride() == kw;
-    // What a row moves: its Q row read and written, its K heads read and written, its freqs read.
-    let row_bytes = 2 * (qw * size_of::<T>() + kw * size_of::<C>()) + rd * size_of::<F>();
+    // What a row moves (its Q row read and written, its K heads read and written, its freqs
+    // read), and the fewest bytes a share moves (`for_rows`).
+    let grain = (2 * (qw * size_of::<T>() + kw * size_of::<C>()) + rd * size_of::<F>(), ROPE_SHARE_BYTES);
     if let Some(t) = TokenFn::<T, C, F>::new(token, i, r, rd, spec.q_heads, spec.k_heads) {
         let job = |r, p, n, _: &mut Bufs, o: &mut [T], k: &mut [C]| {
             t.run(&spec.freqs[p * rd..(p + n) * rd], &q_proj[r * qw..(r + n) * qw], o, k, n, kw)
         };
         match runs {
-            true => slot_rows::<T, C, true>(parallel, row_bytes, output, (qw, kw), &cache, slots, job),
-            false => slot_rows::<T, C, false>(parallel, row_bytes, output, (qw, kw), &cache, slots, job),
+            true => slot_rows::<T, C, true>(parallel, grain, output, (qw, kw), &cache, slots, job),
+            false => slot_rows::<T, C, false>(parallel, grain, output, (qw, kw), &cache, slots, job),
         }
         return;
     }
     match HalfRows::<T, C>::new(token, i, r, rd, spec.q_heads, spec.k_heads) {
-        Some(h) => {
-            slot_rows::<T, C, false>(parallel, row_bytes, output, (qw, kw), &cache, slots, |r, p, _, bufs, o, k| {
-                bufs.0.resize(h.buf_len(), 0.0);
-                h.row(&spec.freqs[p * rd..(p + 1) * rd], &q_proj[r * qw..(r + 1) * qw], o, k, &mut bufs.0);
-            })
-        }
-        None => {
-            slot_rows::<T, C, false>(parallel, row_bytes, output, (qw, kw), &cache, slots, |r, p, _, bufs, o, k| {
-                spec.row(token, p, &q_proj[r * qw..(r + 1) * qw], o, k, bufs)
-            })
-        }
+        Some(h) => slot_rows::<T, C, false>(parallel, grain, output, (qw, kw), &cache, slots, |r, p, _, bufs, o, k| {
+            bufs.0.resize(h.buf_len(), 0.0);
+            h.row(&spec.freqs[p * rd..(p + 1) * rd], &q_proj[r * qw..(r + 1) * qw], o, k, &mut bufs.0);
+        }),
+        None => slot_rows::<T, C, false>(parallel, grain, output, (qw, kw), &cache, slots, |r, p, _, bufs, o, k| {
+            spec.row(token, p, &q_proj[r * qw..(r + 1) * qw], o, k, bufs)
+        }),
     }
 }
 
