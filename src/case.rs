@@ -823,15 +823,25 @@ impl Case {
         Ok(())
     }
 
-    /// Which elements of `output` and of `kv_blocks` the op writes. Meaningful for a case that
-    /// [`run`](Self::run)s; on an inconsistent one it returns an error or a partial mask, never panics.
+    /// Which elements of `output` and of `kv_blocks` the op writes and [`check`] compares, under
+    /// the default policy ([`CheckOptions::default`]: the padded operations' Q rows past
+    /// `valid_lengths[b]` are not compared). Meaningful for a case that [`run`](Self::run)s; on
+    /// an inconsistent one it returns an error or a partial mask, never panics.
     pub fn written(&self) -> Result<(Vec<bool>, Vec<bool>)> {
+        self.written_with(CheckOptions::default())
+    }
+
+    /// [`written`](Self::written) under `opts`.
+    pub fn written_with(&self, opts: CheckOptions) -> Result<(Vec<bool>, Vec<bool>)> {
         let (shape, _) = self.cache_shape()?;
         let (lookup, cols, lens) = self.page_table_parts()?;
         let table = PageTable::new(&lookup, cols, &lens)?;
         let layer = self.layer()?;
         let out_len = if self.op.has_output() { self.tensor("output")?.shape.iter().product() } else { 0 };
-        let mut out_mask = vec![self.op != Op::RopeBshd; out_len];
+        // The padded ops' Q rows past `valid_lengths[b]` are MAX's undefined rows (its padded RoPE
+        // leaves them unwritten): compared only when asked (semantics §9).
+        let padded = matches!(self.op, Op::QkvBshd | Op::RopeBshd);
+        let mut out_mask = vec![!padded || opts.compare_padded_q; out_len];
         let mut cache_mask = vec![false; shape.len()];
         // Rows (b, t, writes) in the op's row order. Every count comes from a tensor whose other
         // dimensions are non-zero, so it is bounded by the bytes of the file.
@@ -868,7 +878,7 @@ impl Case {
         let hd = shape.head_size();
         let row_len = if out_len > 0 { out_len / rows.len().max(1) } else { 0 };
         for (r, slot) in plan.rows.iter().enumerate() {
-            if self.op == Op::RopeBshd
+            if padded
                 && slot.is_some()
                 && let Some(m) = out_mask.get_mut(r * row_len..(r + 1) * row_len)
             {
@@ -969,12 +979,44 @@ pub struct Report {
     pub tensors: Vec<(String, TensorReport)>,
 }
 
+/// What [`check_with`] compares beyond the elements every check compares.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CheckOptions {
+    /// Compare the padded operations' Q rows past `valid_lengths[b]` (`qkv_bshd`, `rope_bshd`),
+    /// which MAX leaves undefined; by default they are not compared.
+    pub compare_padded_q: bool,
+}
+
+impl CheckOptions {
+    /// The default policy.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// With [`compare_padded_q`](Self::compare_padded_q) set.
+    pub fn with_compare_padded_q(self, compare_padded_q: bool) -> Self {
+        CheckOptions { compare_padded_q }
+    }
+}
+
 /// Checks a kernel's `actual` results (`output` unless the op has none, and `kv_blocks`) against
-/// the reference run of `case` in `mode`. Errors: a malformed case, a missing or mismatched tensor.
+/// the reference run of `case` in `mode`, under the default [`CheckOptions`]. Errors: a malformed
+/// case, a missing or mismatched tensor.
 pub fn check(case: &Case, actual: &BTreeMap<String, Tensor>, tol: Tolerance, mode: Mode) -> Result<Report> {
+    check_with(case, actual, tol, mode, CheckOptions::default())
+}
+
+/// [`check`] under `opts`.
+pub fn check_with(
+    case: &Case,
+    actual: &BTreeMap<String, Tensor>,
+    tol: Tolerance,
+    mode: Mode,
+    opts: CheckOptions,
+) -> Result<Report> {
     use std::fmt::Write as _;
     let (ref_out, ref_kv) = case.run(mode, Exec::default())?;
-    let (out_mask, kv_mask) = case.written()?;
+    let (out_mask, kv_mask) = case.written_with(opts)?;
     let mut text = String::new();
     let mut passed = true;
     let mut tensors = Vec::new();
@@ -987,6 +1029,10 @@ pub fn check(case: &Case, actual: &BTreeMap<String, Tensor>, tol: Tolerance, mod
         tol.rtol,
         tol.ulps
     );
+    if matches!(case.op, Op::QkvBshd | Op::RopeBshd) {
+        let how = if opts.compare_padded_q { "compared" } else { "not compared" };
+        let _ = writeln!(text, "padded Q rows (t >= valid_lengths[b]): {how}");
+    }
     let missing = |name: &str| CaseError(format!("`{name}`: missing tensor in the actual results"));
     // (name, actual, reference, the mask of what the op writes, the input tensor for the rest)
     type Pair<'a> = (&'static str, &'a Tensor, Tensor, &'a [bool], Option<&'a Tensor>);

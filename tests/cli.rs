@@ -327,3 +327,44 @@ fn f4_dtype_tensors_load_like_packed_u8() {
     let exec = paged_qkv::Exec::sequential();
     assert_eq!(c.run(case::Mode::Exact, exec).unwrap(), f4.run(case::Mode::Exact, exec).unwrap());
 }
+
+/// `isa --available` prints the crate's own list (what CI compares the fast-path tests with);
+/// `isa` names the best level and every available one.
+#[test]
+fn isa_lists_the_detected_levels() {
+    let o = run(&["isa", "--available"]);
+    assert!(o.status.success());
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), format!("{:?}", paged_qkv::Isa::available()));
+    let o = run(&["isa"]);
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(text.starts_with(&format!("best: {}\n", paged_qkv::Isa::best().name())), "{text}");
+    for i in paged_qkv::Isa::available() {
+        assert!(text.contains(i.name()), "{text}");
+    }
+}
+
+/// `check --compare-padded-q` compares the padded Q rows the default check leaves alone.
+#[test]
+fn padded_q_rows_are_compared_only_when_asked() {
+    let d = dir("padded-q");
+    let c = make(&d, "qkv_bshd", "nvfp4");
+    let out = d.join("out.safetensors");
+    assert!(run(&["run", p(&c), "-o", p(&out), "--mode", "fast"]).status.success());
+    let case = Case::from_bytes(&std::fs::read(&c).unwrap()).unwrap();
+    let valid: Vec<u32> =
+        case.tensors["valid_lengths"].data.chunks(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    let [_, s, q]: [usize; 3] = case.tensors["output"].shape.clone().try_into().unwrap();
+    let (b, t) = valid
+        .iter()
+        .enumerate()
+        .find(|(_, v)| (**v as usize) < s)
+        .map(|(b, v)| (b, *v as usize))
+        .expect("a padded row");
+    assert_eq!(case.tensors["output"].dtype, Dtype::BF16);
+    edit(&out, |tensors| {
+        let i = ((b * s + t) * q) * 2; // the first element of padded row (b, t), bf16
+        tensors.get_mut("output").unwrap().data[i + 1] ^= 0x40; // a large change
+    });
+    assert!(run(&["check", p(&c), "--actual", p(&out)]).status.success());
+    assert_eq!(run(&["check", p(&c), "--actual", p(&out), "--compare-padded-q"]).status.code(), Some(1));
+}

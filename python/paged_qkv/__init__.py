@@ -1,20 +1,29 @@
-"""paged_qkv: fused QKV + paged KV cache + RoPE on the CPU, from numpy.
+"""paged_qkv: fused QKV + paged KV cache + RoPE on the CPU, from numpy or torch.
 
 The exact oracle (the judge of GPU kernels), a checker with the same report as the ``paged-qkv``
-command line, and the crate's fast SIMD kernels. Arrays in and out are numpy arrays:
+command line (:func:`check`, :func:`check_op`), and the crate's fast SIMD kernels, called on the
+caller's own memory: no copy of the weight, the activations or the cache.
+
+Arrays: numpy arrays, any object with ``__dlpack__`` (torch CPU tensors, ``torch.bfloat16``
+included; no torch dependency) or the buffer protocol.
 
 * packed FP4 data as ``uint8 [rows, K/2]``; FP8 data and all block scales as ``uint8`` (or
-  ``ml_dtypes`` float8 arrays); scales in NVIDIA's 5-D layout (see :func:`scale_index`);
-* bf16 as ``ml_dtypes.bfloat16`` or a 16-bit integer view of the bits (a PyTorch user writes
-  ``t.view(torch.int16).numpy()``), f16 as ``numpy.float16``, f32 as ``numpy.float32``;
-* indices (offsets, cache lengths, the page table, valid lengths, position ids) as any integer
-  array (checked to fit ``uint32``).
+  ``ml_dtypes`` float8 arrays); scales in NVIDIA's 5-D layout (see :func:`scale_index`) or flat;
+* bf16 as ``ml_dtypes.bfloat16``, ``torch.bfloat16``, or a 16-bit integer view of the bits; f16 as
+  ``float16``, f32 as ``float32``; an FP8 cache as ``float8_e4m3fn`` or a ``uint8`` view;
+* indices (offsets, cache lengths, the page table, valid lengths, position ids): ``uint32`` is
+  used in place, ``int32`` in place once no value is negative, every other integer type
+  (``int64``, ``uint8``, …) is converted after checking each value fits ``uint32``.
 
-Every operation returns its output as a new array and updates ``kv_blocks`` **in place**, after all
-arguments were validated: on error (a ``ValueError`` naming the argument) nothing is written.
-Non-contiguous inputs are copied; ``kv_blocks`` must be C-contiguous and writeable. The GIL is
-released while a kernel runs. ``mode`` is ``"exact"`` (the oracle, exact accumulation),
-``"sequential"`` (MAX's f32 order; RoPE in MAX's rounding sequence) or ``"fast"`` (the SIMD path).
+Every operation writes ``kv_blocks`` **in place** and returns its output: a new numpy array, or the
+caller's ``out=`` array/tensor, written in place. All arguments are validated first: on error (a
+``TypeError`` or ``ValueError`` naming the argument) nothing is written. Inputs that are strided
+are copied; ``kv_blocks`` and ``out`` must be C-contiguous and writeable. The GIL is released while
+a kernel runs (two threads writing disjoint caches run side by side; calls that write memory
+another call uses wait for it). ``mode`` is ``"exact"`` (the oracle, exact accumulation),
+``"sequential"`` (MAX's f32 order; RoPE in MAX's rounding sequence) or ``"fast"`` (the SIMD
+kernels). ``threads`` picks a pool of that many threads (built once per size and kept);
+``threads=1`` runs on the calling thread; ``None`` uses all cores.
 """
 
 from __future__ import annotations
@@ -25,22 +34,32 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
 import numpy as np
 
 from . import _native
+from ._native import PackedWeight, pack_weight
 
 try:  # optional: numpy dtypes for bf16 and FP8
     import ml_dtypes as _ml
 except ImportError:  # pragma: no cover - exercised by the torch/ml_dtypes-free run
     _ml = None
 
+__version__: str = _native.__version__
+
 __all__ = [
     "Case",
+    "OpReport",
+    "PackedWeight",
     "Report",
+    "TensorCheck",
+    "__version__",
+    "as_array",
     "check",
+    "check_op",
     "dequantize",
     "isa",
     "kv_store_bshd",
     "kv_store_ragged",
     "load_case",
     "make_case",
+    "pack_weight",
     "qkv_bshd",
     "qkv_fp4_ragged",
     "qkv_ragged",
@@ -194,19 +213,24 @@ def check(
     atol: float = 0.0,
     rtol: float = 0.0,
     mode: str = "exact",
+    padded_q: str = "ignore",
 ) -> Report:
     """Compares a kernel's results (``{"output": …, "kv_blocks": …}`` or a safetensors file)
     with the oracle on ``case``: an element passes within ``atol + rtol·|ref|`` or within ``ulps``
     units in the last place of its dtype; cache elements the operation does not write must be
-    unchanged. Returns a :class:`Report` (``report.assert_ok()`` makes a pytest one line)."""
+    unchanged. The padded operations' Q rows past ``valid_lengths[b]`` (undefined in MAX) are not
+    compared unless ``padded_q="compare"``. Returns a :class:`Report` (``report.assert_ok()``
+    makes a pytest one line). :func:`check_op` checks from the operation's arguments instead."""
     _check_mode(mode)
+    if padded_q not in ("ignore", "compare"):
+        raise ValueError(f"padded_q: expected 'ignore' or 'compare', found {padded_q!r}")
     if not isinstance(case, Case):
         case = load_case(case)
     if isinstance(actual, Mapping):
         act = [_to_wire(k, v, _kind_like(case.tensors.get(k))) for k, v in actual.items()]
     else:
         act = load_case_tensors(actual)
-    passed, text = _native.check_case(case.op, case.meta, case._wire(), act, atol, rtol, ulps, mode)
+    passed, text = _native.check_case(case.op, case.meta, case._wire(), act, atol, rtol, ulps, mode, padded_q == "compare")
     return Report(passed, text)
 
 
@@ -278,163 +302,101 @@ def isa() -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Operations (MAX's argument names)
-
-
-def _page_table(case: Dict[str, Any], kv_blocks, cache_lengths, kv_lookup_table) -> None:
-    if not (isinstance(kv_blocks, np.ndarray) and kv_blocks.flags.c_contiguous and kv_blocks.flags.writeable):
-        raise ValueError("`kv_blocks`: must be a C-contiguous, writeable numpy array (it is updated in place)")
-    case["kv_blocks"] = kv_blocks
-    case["cache_lengths"] = np.asarray(cache_lengths)
-    case["kv_lookup_table"] = np.asarray(kv_lookup_table)
-
-
-def _run(op: str, tensors: Dict[str, Any], meta: Dict[str, Any], mode: str, threads: Optional[int]):
-    kv = tensors["kv_blocks"]
-    res = Case(op, tensors, meta).run(mode, threads)
-    # Validation passed and the op ran: now (and only now) write the caller's cache.
-    np.copyto(kv.reshape(-1).view(np.uint8), res["kv_blocks"].reshape(-1).view(np.uint8))
-    return res.get("output")
-
-
-def _zeros(shape, dtype: str):
-    if dtype in ("bf16", "bfloat16"):
-        return np.zeros(shape, dtype=_ml.bfloat16 if _ml else np.uint16)
-    return np.zeros(shape, dtype={"f16": np.float16, "float16": np.float16, "f32": np.float32, "float32": np.float32}[dtype])
-
-
-def _dtype_of(a: np.ndarray) -> str:
-    return {"F32": "f32", "F16": "f16", "BF16": "bf16"}.get(_wire_dtype(a, None), "bf16")
-
-
-def _rope_meta(meta: Dict[str, Any], tensors: Dict[str, Any], rope: Optional[Mapping[str, Any]]) -> None:
-    """A fused RoPE: ``{"freqs_cis": …, "interleaved": bool, "q_head_size": int, "position_ids": …}``."""
-    if rope is None:
-        return
-    tensors["freqs_cis"] = rope["freqs_cis"]
-    meta["interleaved"] = bool(rope.get("interleaved", False))
-    if "q_head_size" in rope:
-        meta["q_head_size"] = int(rope["q_head_size"])
-    if rope.get("position_ids") is not None:
-        tensors["position_ids"] = np.asarray(rope["position_ids"])
+# Operations (MAX's argument names), on the caller's memory
 
 
 def qkv_fp4_ragged(
     hidden_state, input_scale, input_row_offsets, weight, weight_scale, kv_blocks, cache_lengths,
-    kv_lookup_table, layer_idx: int, tensor_sf: float, *, format: str = "nvfp4", q_dim: Optional[int] = None,
-    output_dtype: str = "bf16", rope: Optional[Mapping[str, Any]] = None, mode: str = "exact",
-    threads: Optional[int] = None,
+    kv_lookup_table, layer_idx: int, tensor_sf: float, *, format: Optional[str] = None, q_dim: Optional[int] = None,
+    output_dtype: Optional[str] = None, rope: Optional[Mapping[str, Any]] = None, mode: str = "exact",
+    threads: Optional[int] = None, out=None,
 ):
-    """MAX's ``fused_qkv_matmul_kv_cache_paged_ragged_scale_float4``: returns Q ``[M, q_dim]``,
-    writes K/V into ``kv_blocks``. ``q_dim`` defaults to ``N − 2·num_kv_heads·head_size``."""
-    hidden_state = np.asarray(hidden_state)
-    n = np.asarray(weight).shape[0]
-    if q_dim is None:
-        q_dim = n - 2 * kv_blocks.shape[4] * kv_blocks.shape[5]
-    t: Dict[str, Any] = {
-        "hidden_state": hidden_state.view(np.uint8),
-        "input_scale": np.asarray(input_scale).view(np.uint8),
-        "input_row_offsets": np.asarray(input_row_offsets),
-        "weight": np.asarray(weight).view(np.uint8),
-        "weight_scale": np.asarray(weight_scale).view(np.uint8),
-        "output": _zeros((hidden_state.shape[0], q_dim), output_dtype),
-    }
-    _page_table(t, kv_blocks, cache_lengths, kv_lookup_table)
-    meta = {"format": format, "tensor_sf": repr(float(tensor_sf)), "layer_idx": int(layer_idx)}
-    _rope_meta(meta, t, rope)
-    return _run("qkv_fp4_ragged", t, meta, mode, threads)
+    """MAX's ``fused_qkv_matmul_kv_cache_paged_ragged_scale_float4``: returns Q ``[M, q_dim]``
+    (bf16 unless ``output_dtype``/``out`` say otherwise) and writes K/V into ``kv_blocks``.
+
+    ``weight`` is the ``[N, K/2]`` (FP4) or ``[N, K]`` (MXFP8) codes with ``weight_scale``, or a
+    :class:`PackedWeight` (then ``weight_scale=None``). A raw weight with ``mode="fast"`` is packed
+    on **every call** (a server packs once with :func:`pack_weight`). ``format`` defaults to the
+    packed weight's, else ``"nvfp4"``. ``q_dim`` defaults to ``N − 2·num_kv_heads·head_size``.
+    ``rope={"freqs_cis": [rows, rope_dim], "interleaved": False, "q_head_size": …,
+    "position_ids": …}`` rotates Q and the new K in the epilogue."""
+    return _native.qkv_fp4_ragged(
+        hidden_state, input_scale, input_row_offsets, weight, weight_scale, kv_blocks, cache_lengths,
+        kv_lookup_table, layer_idx, tensor_sf, format=format, q_dim=q_dim, output_dtype=output_dtype, rope=rope,
+        mode=mode, threads=threads, out=out,
+    )
 
 
 def qkv_ragged(
     hidden_state, input_row_offsets, weight, kv_blocks, cache_lengths, kv_lookup_table, layer_idx: int, *,
     bias=None, q_dim: Optional[int] = None, output_dtype: Optional[str] = None,
-    rope: Optional[Mapping[str, Any]] = None, mode: str = "exact", threads: Optional[int] = None,
+    rope: Optional[Mapping[str, Any]] = None, mode: str = "exact", threads: Optional[int] = None, out=None,
 ):
     """MAX's ``fused_qkv_matmul_kv_cache_paged_ragged`` (``_bias`` with ``bias``): bf16/f16/f32
-    ``hidden_state [M, K]`` and ``weight [N, K]`` of one dtype; returns Q ``[M, q_dim]``."""
-    hidden_state, weight = np.asarray(hidden_state), np.asarray(weight)
-    if q_dim is None:
-        q_dim = weight.shape[0] - 2 * kv_blocks.shape[4] * kv_blocks.shape[5]
-    t: Dict[str, Any] = {
-        "hidden_state": hidden_state,
-        "input_row_offsets": np.asarray(input_row_offsets),
-        "weight": weight,
-        "output": _zeros((hidden_state.shape[0], q_dim), output_dtype or _dtype_of(hidden_state)),
-    }
-    if bias is not None:
-        t["bias"] = np.asarray(bias)
-    _page_table(t, kv_blocks, cache_lengths, kv_lookup_table)
-    meta: Dict[str, Any] = {"layer_idx": int(layer_idx)}
-    _rope_meta(meta, t, rope)
-    return _run("qkv_ragged", t, meta, mode, threads)
+    ``hidden_state [M, K]`` and ``weight [N, K]`` (or a :class:`PackedWeight`) of one dtype;
+    returns Q ``[M, q_dim]`` in ``hidden_state``'s dtype unless ``output_dtype``/``out`` say
+    otherwise. A raw weight with ``mode="fast"`` is packed on **every call** (use
+    :func:`pack_weight` once). ``rope`` as in :func:`qkv_fp4_ragged`."""
+    return _native.qkv_ragged(
+        hidden_state, input_row_offsets, weight, kv_blocks, cache_lengths, kv_lookup_table, layer_idx,
+        bias=bias, q_dim=q_dim, output_dtype=output_dtype, rope=rope, mode=mode, threads=threads, out=out,
+    )
 
 
 def qkv_bshd(
     hidden_state, weight, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx: int, *,
     q_dim: Optional[int] = None, output_dtype: Optional[str] = None, rope: Optional[Mapping[str, Any]] = None,
-    mode: str = "exact", threads: Optional[int] = None,
+    mode: str = "exact", threads: Optional[int] = None, out=None,
 ):
     """MAX's ``fused_qkv_matmul_kv_cache_bshd_paged``: padded ``hidden_state [batch, seq, K]``;
-    Q ``[batch, seq, q_dim]`` for every position, K/V for ``t < valid_lengths[b]``."""
-    hidden_state, weight = np.asarray(hidden_state), np.asarray(weight)
-    if q_dim is None:
-        q_dim = weight.shape[0] - 2 * kv_blocks.shape[4] * kv_blocks.shape[5]
-    b, s = hidden_state.shape[0], hidden_state.shape[1]
-    t: Dict[str, Any] = {
-        "hidden_state": hidden_state,
-        "weight": weight,
-        "valid_lengths": np.asarray(valid_lengths),
-        "output": _zeros((b, s, q_dim), output_dtype or _dtype_of(hidden_state)),
-    }
-    _page_table(t, kv_blocks, cache_lengths, kv_lookup_table)
-    meta: Dict[str, Any] = {"layer_idx": int(layer_idx)}
-    _rope_meta(meta, t, rope)
-    return _run("qkv_bshd", t, meta, mode, threads)
+    Q ``[batch, seq, q_dim]`` for every position, K/V for ``t < valid_lengths[b]``. ``weight`` as
+    in :func:`qkv_ragged`; ``rope`` rotates whole heads of rows ``t < valid_lengths[b]``."""
+    return _native.qkv_bshd(
+        hidden_state, weight, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx,
+        q_dim=q_dim, output_dtype=output_dtype, rope=rope, mode=mode, threads=threads, out=out,
+    )
 
 
 def rope_bshd(
     q_proj, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx: int, *,
-    interleaved: bool = True, output=None, mode: str = "exact", threads: Optional[int] = None,
+    interleaved: bool = True, output=None, mode: str = "exact", threads: Optional[int] = None, out=None,
 ):
     """MAX's ``fused_qk_rope_bshd_paged``: rotates ``q_proj [batch, seq, heads, D]`` into the
-    returned output (padded rows keep ``output``'s contents, zeros by default) and the new K in
-    ``kv_blocks``. ``freqs_cis`` has ``q_proj``'s dtype."""
-    q_proj = np.asarray(q_proj)
-    out = np.zeros_like(q_proj) if output is None else np.asarray(output)
-    t: Dict[str, Any] = {"q_proj": q_proj, "freqs_cis": np.asarray(freqs_cis), "valid_lengths": np.asarray(valid_lengths), "output": out}
-    _page_table(t, kv_blocks, cache_lengths, kv_lookup_table)
-    return _run("rope_bshd", t, {"layer_idx": int(layer_idx), "interleaved": bool(interleaved)}, mode, threads)
+    returned output and the new K inside ``kv_blocks``. Padded rows (``t ≥ valid_lengths[b]``) of
+    the output are not written: they keep ``out``'s contents (zeros in a new array). ``output``
+    (the earlier spelling) gives those contents without being written itself. ``freqs_cis`` has
+    ``q_proj``'s dtype."""
+    if out is None and output is not None:
+        out = output.clone() if hasattr(output, "clone") else np.array(output, copy=True)
+    return _native.rope_bshd(
+        q_proj, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx,
+        interleaved=interleaved, mode=mode, threads=threads, out=out,
+    )
 
 
 def rope_ragged(
     q_proj, input_row_offsets, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, layer_idx: int, *,
-    interleaved: bool = False, position_ids=None, mode: str = "exact", threads: Optional[int] = None,
+    interleaved: bool = False, position_ids=None, mode: str = "exact", threads: Optional[int] = None, out=None,
 ):
     """MAX's ``fused_qk_rope_ragged``: ``q_proj [M, heads, Dq]``, ``freqs_cis [rows, rope_dim]``
-    (f32 or ``q_proj``'s dtype; ``rope_dim`` < the head size rotates part of each head), optional
-    ``position_ids [M]``."""
-    q_proj = np.asarray(q_proj)
-    t: Dict[str, Any] = {
-        "q_proj": q_proj,
-        "input_row_offsets": np.asarray(input_row_offsets),
-        "freqs_cis": np.asarray(freqs_cis),
-        "output": np.zeros_like(q_proj),
-    }
-    if position_ids is not None:
-        t["position_ids"] = np.asarray(position_ids)
-    _page_table(t, kv_blocks, cache_lengths, kv_lookup_table)
-    return _run("rope_ragged", t, {"layer_idx": int(layer_idx), "interleaved": bool(interleaved)}, mode, threads)
+    (f32 or another float dtype; ``rope_dim`` < the head size rotates part of each head), optional
+    ``position_ids [M]``; returns the rotated Q."""
+    return _native.rope_ragged(
+        q_proj, input_row_offsets, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, layer_idx,
+        interleaved=interleaved, position_ids=position_ids, mode=mode, threads=threads, out=out,
+    )
 
 
 def kv_store_ragged(
     values, input_row_offsets, kv_blocks, cache_lengths, kv_lookup_table, layer_idx: int, *, cache: str = "k",
     mode: str = "exact", threads: Optional[int] = None,
 ) -> None:
-    """MAX's ``kv_cache_store_ragged``: stores ``values [M, kv_heads, D]`` as K (or V) at
-    ``cache_lengths[b] + t``."""
-    t: Dict[str, Any] = {"hidden_state": np.asarray(values), "input_row_offsets": np.asarray(input_row_offsets)}
-    _page_table(t, kv_blocks, cache_lengths, kv_lookup_table)
-    _run("kv_store_ragged", t, {"layer_idx": int(layer_idx), "cache": cache}, mode, threads)
+    """MAX's ``kv_cache_store_ragged``: stores ``values [M, kv_heads, D]`` as K (or V, ``cache="v"``)
+    at ``cache_lengths[b] + t``."""
+    _native.kv_store_ragged(
+        values, input_row_offsets, kv_blocks, cache_lengths, kv_lookup_table, layer_idx, cache=cache, mode=mode,
+        threads=threads,
+    )
 
 
 def kv_store_bshd(
@@ -443,6 +405,16 @@ def kv_store_bshd(
 ) -> None:
     """MAX's ``kv_cache_store_padded``: stores ``values [batch, seq, kv_heads, D]`` for
     ``t < valid_lengths[b]``."""
-    t: Dict[str, Any] = {"hidden_state": np.asarray(values), "valid_lengths": np.asarray(valid_lengths)}
-    _page_table(t, kv_blocks, cache_lengths, kv_lookup_table)
-    _run("kv_store_bshd", t, {"layer_idx": int(layer_idx), "cache": cache}, mode, threads)
+    _native.kv_store_bshd(
+        values, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx, cache=cache, mode=mode,
+        threads=threads,
+    )
+
+
+def as_array(x) -> np.ndarray:
+    """A numpy view of an array-like's memory (a torch CPU tensor, ``bfloat16`` included, through
+    DLPack; a buffer); a copy where it is strided. A numpy array is returned as is."""
+    return _native.as_array(x)
+
+
+from ._check import OpReport, TensorCheck, check_op  # noqa: E402  (uses the functions above)

@@ -1,8 +1,28 @@
-//! The native half of the `paged_qkv` Python package: a thin layer over the crate's case files
-//! (the same code paths as the `paged-qkv` command line), quantizers and 5-D layout. Tensors cross
-//! as `(name, dtype, shape, uint8 array)`; the Python half maps numpy dtypes. Every error is a
-//! `ValueError` carrying the crate's one-line message, raised before anything is written; the GIL
-//! is released while a case runs.
+//! The native half of the `paged_qkv` Python package.
+//!
+//! * `direct`: every operation on the caller's arrays (numpy, `__dlpack__`, buffers), borrowed
+//!   without a copy, `kv_blocks` written in place, the GIL released while the kernel runs;
+//!   `packed`: weights packed once (`PackedWeight`).
+//! * The case-file layer (this file): the same code paths as the `paged-qkv` command line, for
+//!   `load_case`, `check` and `make_case`. Tensors cross as `(name, dtype, shape, uint8 array)`.
+//!
+//! Every error is a `TypeError` or `ValueError` naming the argument, raised before anything is
+//! written.
+//!
+//! Unsafe code here is the bridge to Python's memory: reading numpy's and DLPack's structs
+//! (`array`), and making slices of the caller's arrays, which happens only in `mem` (a safe API:
+//! a call's arguments are checked not to overlap where one is written, claimed against other
+//! calls while the GIL is released, and each written one handed out once).
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
+mod array;
+mod direct;
+mod inflight;
+mod mem;
+mod packed;
+mod pools;
 
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use paged_qkv::case::{self, Case, Dtype, Mode, Op, Tensor, Tolerance};
@@ -96,6 +116,7 @@ fn run_case<'py>(
 
 /// `check`: `(passed, report text)` — the report `paged-qkv check` prints.
 #[pyfunction]
+#[pyo3(signature = (op, meta, tensors, actual, atol, rtol, ulps, mode_name, compare_padded_q=false))]
 #[allow(clippy::too_many_arguments)]
 fn check_case(
     py: Python<'_>,
@@ -107,11 +128,14 @@ fn check_case(
     rtol: f64,
     ulps: u64,
     mode_name: &str,
+    compare_padded_q: bool,
 ) -> PyResult<(bool, String)> {
     let c = case_in(op, meta, tensors)?;
     let actual = tensors_in(actual)?;
     let m = mode(mode_name)?;
-    let report = py.detach(|| case::check(&c, &actual, Tolerance { atol, rtol, ulps }, m)).map_err(err)?;
+    let opts = case::CheckOptions::new().with_compare_padded_q(compare_padded_q);
+    let tol = Tolerance { atol, rtol, ulps };
+    let report = py.detach(|| case::check_with(&c, &actual, tol, m, opts)).map_err(err)?;
     Ok((report.passed, report.text))
 }
 
@@ -161,6 +185,7 @@ fn make_case<'py>(
 
 /// `(codes, scales, 5-D shape, tensor_scale)` of a `[rows, k]` f32 matrix.
 #[pyfunction]
+#[allow(clippy::type_complexity)]
 #[pyo3(signature = (x, rows, k, fmt, global_scale=None))]
 fn quantize<'py>(
     py: Python<'py>,
@@ -206,6 +231,43 @@ fn scale_offset(row: usize, kb: usize, k_blocks: usize) -> PyResult<usize> {
     Ok(ScaleLayout::new(row + 1, k_blocks).offset(row, kb))
 }
 
+/// A numpy array over an array-like's memory (torch CPU tensors through DLPack, bf16 included;
+/// buffers): a view where the memory is contiguous, else a copy. A numpy array is returned as is.
+#[pyfunction]
+fn as_array<'py>(py: Python<'py>, obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    if obj.cast::<numpy::PyUntypedArray>().is_ok() {
+        return Ok(obj.clone());
+    }
+    array::Arg::new(obj, "array", false)?.into_numpy(py)
+}
+
+/// The indices `i` along the first axis where `a[i]` and `b[i]` differ in any byte: a
+/// memcmp of two caches (or any two arrays of one shape and dtype) without the GIL.
+#[pyfunction]
+fn differing_blocks(py: Python<'_>, a: &Bound<'_, PyAny>, b: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+    let (x, y) = (array::Arg::new(a, "a", false)?, array::Arg::new(b, "b", false)?);
+    if x.shape != y.shape || x.dt != y.dt {
+        return Err(PyValueError::new_err(format!(
+            "differing_blocks: {} {:?} against {} {:?}",
+            x.dt.name(),
+            x.shape,
+            y.dt.name(),
+            y.shape
+        )));
+    }
+    let rows = x.shape.first().copied().unwrap_or(1).max(1);
+    let call = mem::Call::new(vec![(x.d(), false), (y.d(), false)])?;
+    let (xd, yd) = (x.d(), y.d());
+    let out = call.claimed(py, |c| {
+        let h = c.held();
+        let (xm, ym) = (h.read(xd), h.read(yd));
+        let (xs, ys) = (xm.bytes(), ym.bytes());
+        let per = xs.len() / rows;
+        (0..rows).filter(|&i| per > 0 && xs[i * per..(i + 1) * per] != ys[i * per..(i + 1) * per]).collect()
+    });
+    Ok(out)
+}
+
 /// The best ISA of this CPU.
 #[pyfunction]
 fn isa() -> &'static str {
@@ -224,5 +286,18 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(scale_offset, m)?)?;
     m.add_function(wrap_pyfunction!(isa, m)?)?;
+    m.add_function(wrap_pyfunction!(direct::qkv_fp4_ragged, m)?)?;
+    m.add_function(wrap_pyfunction!(direct::qkv_ragged, m)?)?;
+    m.add_function(wrap_pyfunction!(direct::qkv_bshd, m)?)?;
+    m.add_function(wrap_pyfunction!(direct::rope_bshd, m)?)?;
+    m.add_function(wrap_pyfunction!(direct::rope_ragged, m)?)?;
+    m.add_function(wrap_pyfunction!(direct::kv_store_ragged, m)?)?;
+    m.add_function(wrap_pyfunction!(direct::kv_store_bshd, m)?)?;
+    m.add_function(wrap_pyfunction!(direct::last_times, m)?)?;
+    m.add_function(wrap_pyfunction!(as_array, m)?)?;
+    m.add_function(wrap_pyfunction!(differing_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(packed::pack_weight, m)?)?;
+    m.add_class::<packed::PackedWeight>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

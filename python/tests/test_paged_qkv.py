@@ -202,7 +202,10 @@ def test_no_torch_and_no_ml_dtypes(tmp_path):
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
-    assert "torch" not in sys.modules or sys.modules["torch"] is None
+    # Nor does it import torch where torch is installed.
+    code = "import sys, paged_qkv as pq\npq.make_case('qkv_ragged').run('fast')\nprint('torch' in sys.modules)\n"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 0 and p.stdout.strip() == "False", p.stderr
 
 
 def test_fused_rope_through_python_equals_qkv_then_rope():

@@ -204,6 +204,10 @@ enum Cmd {
         /// How the reference accumulates.
         #[arg(long, value_enum, default_value = "exact")]
         mode: ModeArg,
+        /// Also compare the padded operations' Q rows past valid_lengths[b] (qkv_bshd,
+        /// rope_bshd), which MAX leaves undefined (not compared by default).
+        #[arg(long)]
+        compare_padded_q: bool,
     },
     /// Write a realistic random case.
     MakeCase {
@@ -250,6 +254,23 @@ enum Cmd {
         #[arg(long, value_parser = parse_isa)]
         isa: Option<Isa>,
     },
+    /// The instruction sets the fast paths can use on this CPU (the best is the default).
+    Isa {
+        /// Print only the list of available levels, as the fast-path tests print it.
+        #[arg(long)]
+        available: bool,
+    },
+}
+
+/// `isa`: the instruction sets of this CPU.
+fn isa(available: bool) {
+    if available {
+        // The list the fast-path tests print ("ISAs tested: [...]"): CI compares the two.
+        outln!("{:?}", Isa::available());
+    } else {
+        outln!("best: {}", Isa::best().name());
+        outln!("available: {}", Isa::available().iter().map(|i| i.name()).collect::<Vec<_>>().join(", "));
+    }
 }
 
 /// A failure to report with exit status 2.
@@ -287,14 +308,19 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let res = match cli.cmd.unwrap_or(Cmd::Demo { threads: None }) {
         Cmd::Run { case, out, mode, threads } => run(&case, &out, mode.into(), threads).map(|_| 0),
-        Cmd::Check { case, actual, atol, rtol, ulps, mode } => {
-            check(&case, &actual, Tolerance { atol, rtol, ulps }, mode.into())
+        Cmd::Check { case, actual, atol, rtol, ulps, mode, compare_padded_q } => {
+            let opts = case::CheckOptions::new().with_compare_padded_q(compare_padded_q);
+            check(&case, &actual, Tolerance { atol, rtol, ulps }, mode.into(), opts)
         }
         Cmd::MakeCase { op, model, batch, seed, format, f8_dtypes, out } => {
             make_case(op.into(), model.shape(), batch, seed, format.into(), f8_dtypes, &out).map(|_| 0)
         }
         Cmd::Demo { threads } => pool(threads).and_then(|p| p.install(demo)).map(|_| 0),
         Cmd::Bench { model, threads, dtype, isa } => bench(model.shape(), threads, &dtype, isa).map(|_| 0),
+        Cmd::Isa { available } => {
+            isa(available);
+            Ok(0)
+        }
     };
     match res {
         Ok(code) => ExitCode::from(code),
@@ -324,10 +350,16 @@ fn run(case_path: &PathBuf, out: &PathBuf, mode: Mode, threads: Option<usize>) -
     Ok(())
 }
 
-fn check(case_path: &PathBuf, actual: &PathBuf, tol: Tolerance, mode: Mode) -> Result<u8, Bad> {
+fn check(
+    case_path: &PathBuf,
+    actual: &PathBuf,
+    tol: Tolerance,
+    mode: Mode,
+    opts: case::CheckOptions,
+) -> Result<u8, Bad> {
     let c = Case::from_bytes(&read(case_path)?)?;
     let act = case::load_tensors(&read(actual)?)?;
-    let report = case::check(&c, &act, tol, mode)?;
+    let report = case::check_with(&c, &act, tol, mode, opts)?;
     for line in report.text.lines() {
         outln!("{line}");
     }

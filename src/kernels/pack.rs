@@ -20,7 +20,8 @@ use crate::element::Element;
 use crate::error::Result;
 use crate::formats::fp4::{e2m1_doubled, fp4_code};
 use crate::formats::fp8::{e4m3_scale_to_f32, e4m3_to_f32};
-use crate::formats::{BlockFormat, QuantizedRef};
+use crate::formats::scale_layout::ScaleLayout;
+use crate::formats::{BlockFormat, QuantizedMatrix, QuantizedRef};
 use crate::ops::weight_rows;
 use crate::pool::{Poolable, Pooled};
 use crate::simd::fp4::{E5M3_ACT_EXP, E8M0_ACT_BIAS, Fp4Group, Fp4Rows, ScaleKind};
@@ -171,6 +172,30 @@ impl PackedWeights {
     /// Bytes held (data, kernel scales and the original scales kept for the exact path).
     pub fn size_bytes(&self) -> usize {
         self.data.len() + self.scales.len() + self.raw_scales.len()
+    }
+
+    /// The weight this was packed from: the codes (`[N, K/2]` packed E2M1 or `[N, K]` E4M3), the
+    /// scales in the 5-D layout and the tensor scale. Packing loses nothing the operations read:
+    /// every code and every scale of the `[N, K]` matrix come back bit for bit (the 5-D tensor's
+    /// padding entries, which no operation reads, come back as zeros). For a server that keeps
+    /// only the packed weight and still wants the oracle (`reference::qkv_fp4_ragged`).
+    pub fn to_quantized(&self) -> QuantizedMatrix {
+        let (format, n, k) = (self.format, self.n, self.k);
+        let row_bytes = format.row_bytes(k);
+        let mut data = vec![0u8; n * row_bytes];
+        for (col, row) in data.chunks_exact_mut(row_bytes.max(1)).enumerate().take(n) {
+            for kk in 0..k {
+                if format.is_fp4() {
+                    row[kk / 2] |= self.fp4_code(col, kk) << (4 * (kk % 2));
+                } else {
+                    row[kk] = self.fp8_byte(col, kk);
+                }
+            }
+        }
+        let layout = ScaleLayout::for_operand(n, k, format.vector_size());
+        let scales = layout.interleave(&self.raw_scales).expect("the raw scales are [n][kb]");
+        QuantizedMatrix::from_parts(format, n, k, data, scales, self.tensor_scale)
+            .expect("the codes and scales of a packed weight have its shape")
     }
 
     /// Group `g` of an FP4 format.
@@ -409,6 +434,22 @@ impl<T: Element> PackedPlainWeights<T> {
     /// Bytes held.
     pub fn size_bytes(&self) -> usize {
         4 * self.data.len()
+    }
+
+    /// The `[N, K]` weight this was packed from, bit for bit (packing is a permutation of the
+    /// elements). For a server that keeps only the packed weight and still wants the oracle.
+    pub fn to_vec(&self) -> Vec<T> {
+        let glen = self.pairs * self.kind.words_per_pair();
+        let mut w = Vec::with_capacity(self.n * self.k);
+        for col in 0..self.n {
+            let group = &self.data[col / GROUP * glen..(col / GROUP + 1) * glen];
+            w.extend((0..self.k).map(|kk| {
+                let bits = self.kind.bits(group, kk, col % GROUP);
+                // E4M3 is stored widened to f32 (exactly): narrowing it back is exact.
+                if T::DTYPE == crate::DType::F8E4M3 { T::from_f32(f32::from_bits(bits)) } else { T::from_bits(bits) }
+            }));
+        }
+        w
     }
 
     /// Groups `g0 .. g1`, k-pairs `p0 .. p1`.

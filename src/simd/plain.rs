@@ -65,6 +65,24 @@ impl PlainKind {
             }
         }
     }
+    /// The stored bits of element `(k, c)` of a packed group: the element's own 16 bits (bf16,
+    /// f16) or the f32's 32 bits.
+    pub fn bits(self, group: &[u32], k: usize, c: usize) -> u32 {
+        let (p, odd) = (k / 2, k % 2 == 1);
+        let wpp = self.words_per_pair();
+        let d = &group[p * wpp..(p + 1) * wpp];
+        match self {
+            PlainKind::Bf16 => {
+                if odd {
+                    d[c] >> 16
+                } else {
+                    d[c] & 0xFFFF
+                }
+            }
+            PlainKind::F16 => (d[if odd { 0 } else { GROUP / 2 } + c / 2] >> (16 * (c % 2))) & 0xFFFF,
+            PlainKind::F32 => d[if odd { c } else { GROUP + c }],
+        }
+    }
     /// Element `(k, c)` of a packed group, widened to f32 (exact).
     #[inline]
     pub fn get(self, group: &[u32], k: usize, c: usize) -> f32 {

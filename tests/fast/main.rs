@@ -499,6 +499,32 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 16, ..ProptestConfig::default() })]
+
+    /// `PackedWeights::to_quantized` gives back every code and every scale the operations read,
+    /// and the tensor scale, for every format (K not a multiple of the block, N not a multiple of
+    /// the 16-column group).
+    #[test]
+    fn packing_a_block_scaled_weight_is_lossless(seed in any::<u64>(), fmt in 0usize..3, k2 in 1usize..90) {
+        let mut rng = Rng::new(seed);
+        let format = BlockFormat::ALL[fmt];
+        let c = Config { k: 2 * k2, ..config(&mut rng, format, false) };
+        let s = setup(&mut rng, &c);
+        let w = s.w.as_ref().with_tensor_scale(0.375);
+        let back = PackedWeights::new(w).to_quantized();
+        prop_assert_eq!((back.format(), back.rows(), back.k()), (w.format(), w.rows(), w.k()));
+        prop_assert_eq!(back.tensor_scale(), 0.375);
+        prop_assert_eq!(back.data(), w.data());
+        let b = back.as_ref();
+        for r in 0..w.rows() {
+            for kb in 0..w.k_blocks() {
+                prop_assert_eq!(b.scale_byte(r, kb), w.scale_byte(r, kb));
+            }
+        }
+    }
+}
+
 /// Small enough for Miri (`cargo +nightly miri test --test fast miri_`): the scalar kernel and the
 /// parallel scatter (2 threads writing the output and cache through raw pointers) against the
 /// sequential run and the oracle. Under Miri only the scalar ISA is detected.

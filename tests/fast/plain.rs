@@ -542,3 +542,27 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 16, ..ProptestConfig::default() })]
+
+    /// `PackedPlainWeights::to_vec` gives back the packed weight bit for bit (every element type,
+    /// odd K, N not a multiple of the 16-column group, extreme values, NaN and signed zeros).
+    #[test]
+    fn packing_a_plain_weight_is_lossless(seed in any::<u64>()) {
+        fn roundtrip<T: Element>(rng: &mut Rng) {
+            let (n, k) = (rng.range(1, 40), rng.range(1, 70));
+            let mut w: Vec<T> = (0..n * k).map(|_| value(rng, Values::Extreme, 1.0)).collect();
+            w[0] = T::from_f32(-0.0);
+            w[n * k - 1] = T::from_f32(f32::NAN);
+            let back = PackedPlainWeights::new(&w, k).unwrap().to_vec();
+            let b = |v: &[T]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(b(&back), b(&w), "{:?} [{n}, {k}]", T::DTYPE);
+        }
+        let mut rng = Rng::new(seed);
+        roundtrip::<f32>(&mut rng);
+        roundtrip::<bf16>(&mut rng);
+        roundtrip::<f16>(&mut rng);
+        roundtrip::<E4M3>(&mut rng);
+    }
+}
