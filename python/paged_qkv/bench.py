@@ -4,9 +4,17 @@ against the peers that are installed.
 For each model shape, format, M and thread count it prints the Python call's time (the package's
 function on numpy arrays with a :class:`PackedWeight`, ``mode="fast"``), the same call's time
 measured inside the extension around the crate's call (what it costs from Rust, in the same run
-on the same arrays), their ratio, and — where installed, else skipped with a note — torch's
-``F.linear`` on the same bf16 matrix (the matmul alone) and Modular MAX's CPU
-``fused_qkv_ragged_matmul`` (pip ``max``; bf16, the same cache). Neither is a dependency.
+on the same arrays), their ratio, and each peer's time over the Python call's (above 1: this crate
+is faster), where the peer is installed (else skipped with a note; none is a dependency):
+
+* torch's ``F.linear`` on the same bf16 or f32 matrices (the matmul alone, oneDNN);
+* Modular MAX's CPU ``fused_qkv_ragged_matmul`` (pip ``max``; bf16 or f32, the same cache), each
+  thread count in a child process pinned to that many cores (MAX takes one per process);
+* ggml's CPU matmul (llama.cpp) through ``--ggml BIN``, the driver ``tools/ggml_matmul.c`` built
+  against a llama.cpp checkout (``tools/peers.sh`` builds it): q4_0 beside NVFP4/MXFP4, q8_0
+  beside MXFP8, bf16 and f32 beside themselves. ggml converts the f32 activations per call (to
+  q8_0 or bf16), which is part of its time; this crate's block-scaled ops take activations
+  already quantized (MAX's signature).
 
 M ≤ 8 is a decode step (M sequences, one new token each, mid-page cache lengths); larger M is
 one sequence's prefill. Times are medians of repeated calls; the machine should be otherwise idle.
@@ -88,8 +96,10 @@ class Call:
         self.kv_shape = (batch * pages, 2, 1, PAGE, hkv, d)
         self.kv = _bf16(np.zeros(self.kv_shape, np.float32))
         self.max_prompt, self.max_cache = int(np.diff(offsets).max()), int(lens.max())
-        if fmt == "bf16":
-            self.w_raw, self.x = _bf16(w), _bf16(x)
+        if fmt in ("bf16", "f32"):
+            conv = _bf16 if fmt == "bf16" else (lambda a: a.astype(np.float32))
+            self.w_raw, self.x = conv(w), conv(x)
+            self.kv = conv(np.zeros(self.kv_shape, np.float32))
             self.w = pq.pack_weight(self.w_raw)
         else:
             codes, scales, wts = pq.quantize(w, fmt)
@@ -100,34 +110,41 @@ class Call:
 
     def args(self, kv: Optional[np.ndarray] = None):
         kv = self.kv if kv is None else kv
-        if self.fmt == "bf16":
+        if self.fmt in ("bf16", "f32"):
             return (self.x, self.offsets, self.w, kv, self.cache_lengths, self.lookup, 0), {}
         a = (self.x, self.x_scale, self.offsets, self.w, None, kv, self.cache_lengths, self.lookup, 0, self.tensor_sf)
         return a, {}
 
     def python(self, threads: Optional[int], kv: Optional[np.ndarray] = None):
         a, kw = self.args(kv)
-        f = pq.qkv_ragged if self.fmt == "bf16" else pq.qkv_fp4_ragged
+        f = pq.qkv_ragged if self.fmt in ("bf16", "f32") else pq.qkv_fp4_ragged
         return lambda: f(*a, mode="fast", threads=threads, **kw)
 
     def rust(self, threads: Optional[int], calls: int) -> float:
         """Median seconds of `calls` calls timed inside the extension (the crate's call alone)."""
         a, kw = self.args()
-        f = _native.qkv_ragged if self.fmt == "bf16" else _native.qkv_fp4_ragged
+        f = _native.qkv_ragged if self.fmt in ("bf16", "f32") else _native.qkv_fp4_ragged
         f(*a, mode="fast", threads=threads, repeat=2, **kw)  # warm-up
         f(*a, mode="fast", threads=threads, repeat=calls, **kw)
         return statistics.median(_native.last_times())
 
 
 def _torch_linear(call: Call, threads: int) -> Optional[Callable[[], object]]:
+    """torch's `F.linear` on the same matrices (bf16 or f32), or None without torch."""
     try:
         import torch
         import torch.nn.functional as F
     except Exception:  # noqa: BLE001 - any import failure means "not installed"
         return None
     torch.set_num_threads(threads)
-    x = torch.from_numpy(np.ascontiguousarray(call.x).view(np.int16)).view(torch.bfloat16)
-    w = torch.from_numpy(np.ascontiguousarray(call.w_raw).view(np.int16)).view(torch.bfloat16)
+
+    def t(a: np.ndarray):
+        a = np.ascontiguousarray(a)
+        if call.fmt == "bf16":
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+
+    x, w = t(call.x), t(call.w_raw)
     return lambda: F.linear(x, w)
 
 
@@ -135,7 +152,7 @@ _MAX_CACHE: Dict[tuple, object] = {}
 
 
 def _max_qkv(call: Call, threads: int) -> Optional[Callable[[], object]]:
-    """MAX's `fused_qkv_ragged_matmul` on the CPU for this call (bf16), or None without `max`."""
+    """MAX's `fused_qkv_ragged_matmul` on the CPU for this call (bf16 or f32), or None without `max`."""
     try:
         from max.driver import CPU, Buffer
         from max.dtype import DType
@@ -146,20 +163,21 @@ def _max_qkv(call: Call, threads: int) -> Optional[Callable[[], object]]:
         from max.nn.kv_cache.input_types import KVCacheInputsPerDevice
     except Exception:  # noqa: BLE001
         return None
-    key = (call.k, call.hq, call.hkv, call.d, threads)
+    dt = DType.bfloat16 if call.fmt == "bf16" else DType.float32
+    key = (call.k, call.hq, call.hkv, call.d, threads, call.fmt)
     if key not in _MAX_CACHE:
         # MAX's CPU device takes its thread count once per process (a session asking for another
         # is refused): the worker process runs on `threads` cores (its affinity) instead.
         session = InferenceSession(devices=[CPU()])
         dev = DeviceRef.CPU()
         params = MHAKVCacheParams(
-            dtype=DType.bfloat16, n_kv_heads=call.hkv, head_dim=call.d, num_layers=1, page_size=PAGE, devices=[dev]
+            dtype=dt, n_kv_heads=call.hkv, head_dim=call.d, num_layers=1, page_size=PAGE, devices=[dev]
         )
         types = [
-            TensorType(DType.bfloat16, ["M", call.k], dev),
+            TensorType(dt, ["M", call.k], dev),
             TensorType(DType.uint32, ["B1"], dev),
-            TensorType(DType.bfloat16, [call.n, call.k], dev),
-            BufferType(DType.bfloat16, ["blocks", 2, 1, PAGE, call.hkv, call.d], dev),
+            TensorType(dt, [call.n, call.k], dev),
+            BufferType(dt, ["blocks", 2, 1, PAGE, call.hkv, call.d], dev),
             TensorType(DType.int64, [1], dev),
             TensorType(DType.uint32, ["B"], dev),
             TensorType(DType.uint32, ["B", "P"], dev),
@@ -192,7 +210,7 @@ def _max_qkv(call: Call, threads: int) -> Optional[Callable[[], object]]:
     return lambda: model.execute(*inputs)
 
 
-def _max_time(model: str, m: int, threads: int, budget: float) -> Optional[float]:
+def _max_time(model: str, fmt: str, m: int, threads: int, budget: float) -> Optional[float]:
     """MAX's time, measured in a child process: MAX's engine takes one thread count per process."""
     import subprocess
 
@@ -200,12 +218,29 @@ def _max_time(model: str, m: int, threads: int, budget: float) -> Optional[float
         import max  # noqa: F401
     except Exception:  # noqa: BLE001
         return None
-    cmd = [sys.executable, "-m", "paged_qkv.bench", "--max-worker", f"{model},{m},{threads},{budget}"]
+    cmd = [sys.executable, "-m", "paged_qkv.bench", "--max-worker", f"{model},{fmt},{m},{threads},{budget}"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         print(f"note: MAX failed for {model} M={m} threads={threads}: {r.stderr.strip().splitlines()[-1:]}")
         return None
     return float(r.stdout.strip().splitlines()[-1])
+
+
+# The ggml type that stands beside each of this crate's formats (bits per weight): NVFP4 4.5 ~
+# q4_0 4.5, MXFP8 8.25 ~ q8_0 8.5, bf16, f32.
+GGML_TYPE = {"bf16": "bf16", "f32": "f32", "nvfp4": "q4_0", "mxfp4": "q4_0", "mxfp8": "q8_0"}
+
+
+def _ggml_time(binary: str, call: Call, m: int, threads: int, budget: float) -> Optional[float]:
+    """ggml's matmul on the same shape (tools/ggml_matmul.c, built against llama.cpp)."""
+    import subprocess
+
+    cmd = [binary, str(call.k), str(call.n), str(m), GGML_TYPE[call.fmt], str(threads), str(budget)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"note: ggml failed ({' '.join(cmd)}): {r.stderr.strip()[-200:]}")
+        return None
+    return float(r.stdout.split()[-1])
 
 
 def concurrency(model: str, fmt: str, m: int, budget: float) -> Dict[str, float]:
@@ -239,19 +274,20 @@ def concurrency(model: str, fmt: str, m: int, budget: float) -> Dict[str, float]
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m paged_qkv.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="llama3-8b,qwen2.5-0.5b", help="comma-separated: " + ", ".join(MODELS))
-    p.add_argument("--formats", default="bf16,nvfp4", help="bf16, nvfp4, mxfp4, mxfp8")
+    p.add_argument("--formats", default="bf16,nvfp4", help="bf16, f32, nvfp4, mxfp4, mxfp8")
     p.add_argument("--m", default="1,8,64,512", help="rows (tokens) per call")
     p.add_argument("--threads", default=None, help="thread counts (default: 1 and all cores)")
     p.add_argument("--time", type=float, default=0.5, help="seconds per measurement")
-    p.add_argument("--no-peers", action="store_true", help="skip torch and MAX")
+    p.add_argument("--no-peers", action="store_true", help="skip torch, MAX and ggml")
+    p.add_argument("--ggml", help="the ggml_matmul driver (tools/ggml_matmul.c; tools/peers.sh builds it)")
     p.add_argument("--concurrency", action="store_true", help="also two Python threads on two caches")
     p.add_argument("--max-worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.max_worker:
-        model, m, t, budget = a.max_worker.split(",")
+        model, fmt, m, t, budget = a.max_worker.split(",")
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: int(t)])
-        f = _max_qkv(Call(model, "bf16", int(m)), int(t))
+        f = _max_qkv(Call(model, fmt, int(m)), int(t))
         print(_time(f, float(budget)) if f else "nan")
         return 0
     cores = os.cpu_count() or 1
@@ -264,11 +300,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                 __import__(name)
             except Exception:  # noqa: BLE001
                 peers_note.append(f"{name} not installed: its column is skipped")
+        if not a.ggml:
+            peers_note.append("no --ggml driver given: the ggml column is skipped (tools/peers.sh builds one)")
     for n in peers_note:
         print(f"note: {n}")
     head = f"{'model':<13} {'format':<6} {'M':>4} {'thr':>3} {'python':>10} {'rust':>10} {'py/rust':>7}"
     if not a.no_peers:
-        head += f" {'torch linear':>12} {'MAX qkv':>10} {'MAX/py':>7}"
+        head += f" {'torch linear':>12} {'MAX qkv':>10} {'ggml':>14}  (peer time / python time)"
     print(head)
     for model in a.models.split(","):
         for fmt in a.formats.split(","):
@@ -285,10 +323,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                     py, rs = statistics.median(pys), statistics.median(rss)
                     line = f"{model:<13} {fmt:<6} {m:>4} {t:>3} {_fmt(py):>10} {_fmt(rs):>10} {py / rs:>7.3f}"
                     if not a.no_peers:
-                        tl = _torch_linear(call, t) if fmt == "bf16" else None
+                        plain = fmt in ("bf16", "f32")
+                        tl = _torch_linear(call, t) if plain else None
                         tt = _time(tl, a.time) if tl else None
-                        mt = _max_time(model, m, t, a.time) if fmt == "bf16" else None
-                        line += f" {_fmt(tt):>12} {_fmt(mt):>10} {(mt / py if mt else float('nan')):>7.2f}"
+                        mt = _max_time(model, fmt, m, t, a.time) if plain else None
+                        gt = _ggml_time(a.ggml, call, m, t, a.time) if a.ggml else None
+                        g = f"{GGML_TYPE[fmt]} {_ratio(gt, py)}" if gt else "-"
+                        line += f" {_ratio(tt, py):>12} {_ratio(mt, py):>10} {g:>14}"
                     print(line, flush=True)
     if a.concurrency:
         for model in a.models.split(","):
@@ -298,6 +339,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                 f"{r['1']:.1f} calls/s, two threads {r['2']:.1f} calls/s ({r['2'] / r['1']:.2f}x)"
             )
     return 0
+
+
+def _ratio(peer: Optional[float], ours: float) -> str:
+    """`peer's time / ours` (above 1: this crate is faster), or "-" where the peer did not run."""
+    return f"{peer / ours:.2f}x" if peer else "-"
 
 
 def _fmt(s: Optional[float]) -> str:
