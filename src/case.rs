@@ -116,9 +116,9 @@ impl Op {
 pub enum Mode {
     /// The fast path where one exists ([`Op::has_fast_path`]), else the reference in Exact mode.
     Fast,
-    /// The reference, MAX's f32 order (RoPE: `MaxCompat`).
+    /// The reference, MAX's CPU order (an f32 FMA chain over k).
     Sequential,
-    /// The reference, exact accumulation (RoPE: `F32`).
+    /// The reference, exact accumulation.
     Exact,
 }
 
@@ -520,8 +520,13 @@ impl Case {
         if mode == Mode::Sequential { Accumulation::Sequential } else { Accumulation::Exact }
     }
 
-    fn rope_math(mode: Mode) -> RopeMath {
-        if mode == Mode::Sequential { RopeMath::MaxCompat } else { RopeMath::F32 }
+    /// The RoPE math: metadata `rope_math` (`max`: MAX's rounding sequence, the default; `f32`).
+    pub fn rope_math(&self) -> Result<RopeMath> {
+        match self.meta.get("rope_math").map(|s| s.as_str()) {
+            None | Some("max") => Ok(RopeMath::MaxCompat),
+            Some("f32") => Ok(RopeMath::F32),
+            Some(other) => err(format!("`__metadata__.rope_math`: expected `max` or `f32`, found `{other}`")),
+        }
     }
 
     fn dispatch<O: Element, C: Element>(
@@ -561,7 +566,7 @@ impl Case {
                     weight: w,
                     tensor_sf,
                     q_dim: oshape[1],
-                    rope: self.qkv_rope(&freqs, kv.cache.shape().head_size(), mode)?,
+                    rope: self.qkv_rope(&freqs, kv.cache.shape().head_size())?,
                 };
                 match mode {
                     Mode::Fast => fast::qkv_fp4_ragged(&args, out, kv, exec)?,
@@ -617,8 +622,8 @@ impl Case {
                     interleaved: self.interleaved()?,
                 };
                 match mode {
-                    Mode::Fast => fast::rope_bshd(&args, out, kv, Self::rope_math(mode), exec)?,
-                    _ => reference::rope_bshd(&args, out, kv, Self::rope_math(mode))?,
+                    Mode::Fast => fast::rope_bshd(&args, out, kv, self.rope_math()?, exec)?,
+                    _ => reference::rope_bshd(&args, out, kv, self.rope_math()?)?,
                 }
             }
             Op::RopeRagged => {
@@ -656,8 +661,8 @@ impl Case {
                             interleaved: self.interleaved()?,
                         };
                         match mode {
-                            Mode::Fast => fast::rope_ragged(&args, out, kv, Self::rope_math(mode), exec)?,
-                            _ => reference::rope_ragged(&args, out, kv, Self::rope_math(mode))?,
+                            Mode::Fast => fast::rope_ragged(&args, out, kv, self.rope_math()?, exec)?,
+                            _ => reference::rope_ragged(&args, out, kv, self.rope_math()?)?,
                         }
                     }};
                 }
@@ -732,9 +737,9 @@ impl Case {
     }
 
     /// The fused RoPE of a QKV case that has a `freqs_cis` tensor: metadata `interleaved`
-    /// (default `false`) and `q_head_size` (default: the cache's head size); math as for the RoPE
-    /// ops (`Sequential` → MAX's rounding sequence, else f32).
-    fn qkv_rope<'f>(&self, freqs: &'f Option<CaseRope>, head: usize, mode: Mode) -> Result<Option<ops::QkvRope<'f>>> {
+    /// (default `false`), `q_head_size` (default: the cache's head size) and `rope_math` (as for
+    /// the RoPE ops: [`rope_math`](Self::rope_math)).
+    fn qkv_rope<'f>(&self, freqs: &'f Option<CaseRope>, head: usize) -> Result<Option<ops::QkvRope<'f>>> {
         let Some((f, rope_dim, ids)) = freqs else { return Ok(None) };
         let interleaved = if self.meta.contains_key("interleaved") { self.interleaved()? } else { false };
         let q_head_size = if self.meta.contains_key("q_head_size") {
@@ -752,7 +757,7 @@ impl Case {
             rope_dim: *rope_dim,
             interleaved,
             position_ids: ids.as_deref(),
-            math: Self::rope_math(mode),
+            math: self.rope_math()?,
         }))
     }
 
@@ -796,7 +801,7 @@ impl Case {
                 hidden_size: k,
                 bias: bias.as_deref(),
                 q_dim,
-                rope: self.qkv_rope(&freqs, kv.cache.shape().head_size(), mode)?,
+                rope: self.qkv_rope(&freqs, kv.cache.shape().head_size())?,
             };
             match mode {
                 Mode::Fast => fast::qkv_ragged(&args, out, kv, exec)?,
@@ -813,7 +818,7 @@ impl Case {
                 weight: &w,
                 valid_lengths: &valid,
                 q_dim,
-                rope: self.qkv_rope(&freqs, kv.cache.shape().head_size(), mode)?,
+                rope: self.qkv_rope(&freqs, kv.cache.shape().head_size())?,
             };
             match mode {
                 Mode::Fast => fast::qkv_bshd(&args, out, kv, exec)?,

@@ -88,6 +88,49 @@ pub(crate) fn f64_to_f32_round_odd(x: f64) -> f32 {
     if (r as f64) > x { r.next_down() } else { r.next_up() }
 }
 
+/// `bf16::from_f32(x).to_f32()` bit for bit, without branches (a loop over it vectorises):
+/// round to nearest, ties to even, on the top 16 bits; a NaN keeps its sign and payload's top bits
+/// and is made quiet, as `half` does.
+#[inline]
+pub(crate) fn bf16_through(x: f32) -> f32 {
+    let b = x.to_bits();
+    let nan = (b & 0x7FFF_FFFF) > 0x7F80_0000;
+    let rounded = b.wrapping_add(0x7FFF + ((b >> 16) & 1)) & 0xFFFF_0000;
+    f32::from_bits(if nan { (b | 0x0040_0000) & 0xFFFF_0000 } else { rounded })
+}
+
+/// `x` rounded to `to` and widened back, where the bias step rounds there ([`biased`]): bf16 and
+/// f16 round, f32 is unchanged, and an E4M3 destination does not round before its bias.
+#[inline]
+pub(crate) fn round_through(to: DType, x: f32) -> f32 {
+    match to {
+        DType::BF16 => bf16_through(x),
+        DType::F16 => <f16 as Element>::from_f32(x).to_f32(),
+        DType::F32 | DType::F8E4M3 => x,
+    }
+}
+
+/// MAX's bias step (semantics §4): the value whose one rounding to `to` is
+/// `round_to(round_to(product) + bias)` — the product rounded to the destination's dtype, the bias
+/// added to that in f32 and the sum rounded — for bf16, f16 and f32 destinations; for an E4M3
+/// cache, `product + bias` (rounded once, this crate's rule for FP8 caches: §9).
+#[inline]
+pub(crate) fn biased(to: DType, product: f32, bias: f32) -> f32 {
+    round_through(to, product) + bias
+}
+
+/// [`biased`] for an exact product `v` (rounded to odd in f64): the f64 whose one rounding to `to`
+/// is the result. `with_bias` gives `product + bias` exactly (rounded to odd), for an E4M3 cache.
+pub(crate) fn biased_exact(to: DType, v: f64, bias: f32, with_bias: impl FnOnce() -> f64) -> f64 {
+    let product = match to {
+        DType::BF16 => <bf16 as Element>::from_f64(v).to_f32(),
+        DType::F16 => <f16 as Element>::from_f64(v).to_f32(),
+        DType::F32 => <f32 as Element>::from_f64(v),
+        DType::F8E4M3 => return with_bias(),
+    };
+    (product + bias) as f64
+}
+
 impl Element for f32 {
     const DTYPE: DType = DType::F32;
     #[inline]

@@ -21,8 +21,8 @@ caller's ``out=`` array/tensor, written in place. All arguments are validated fi
 are copied; ``kv_blocks`` and ``out`` must be C-contiguous and writeable. The GIL is released while
 a kernel runs (two threads writing disjoint caches run side by side; calls that write memory
 another call uses wait for it). ``mode`` is ``"exact"`` (the oracle, exact accumulation),
-``"sequential"`` (MAX's f32 order; RoPE in MAX's rounding sequence) or ``"fast"`` (the SIMD
-kernels). ``threads`` picks a pool of that many threads (built once per size and kept);
+``"sequential"`` (MAX's CPU order: an f32 FMA chain) or ``"fast"`` (the SIMD kernels); RoPE's
+rounding is its own argument (``rope_math``, MAX's by default), the same bits in every mode. ``threads`` picks a pool of that many threads (built once per size and kept);
 ``threads=1`` runs on the calling thread; ``None`` uses all cores.
 """
 
@@ -319,7 +319,11 @@ def qkv_fp4_ragged(
     on **every call** (a server packs once with :func:`pack_weight`). ``format`` defaults to the
     packed weight's, else ``"nvfp4"``. ``q_dim`` defaults to ``N − 2·num_kv_heads·head_size``.
     ``rope={"freqs_cis": [rows, rope_dim], "interleaved": False, "q_head_size": …,
-    "position_ids": …}`` rotates Q and the new K in the epilogue."""
+    "position_ids": …, "math": "max"}`` rotates Q and the new K in the epilogue (``math``:
+    ``"max"`` or ``"f32"``, as ``rope_math`` in :func:`rope_ragged`).
+
+    A bias (``qkv_ragged``) is added as MAX adds it: to the product rounded to the destination's
+    dtype, the sum rounded again."""
     return _native.qkv_fp4_ragged(
         hidden_state, input_scale, input_row_offsets, weight, weight_scale, kv_blocks, cache_lengths,
         kv_lookup_table, layer_idx, tensor_sf, format=format, q_dim=q_dim, output_dtype=output_dtype, rope=rope,
@@ -359,31 +363,37 @@ def qkv_bshd(
 
 def rope_bshd(
     q_proj, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx: int, *,
-    interleaved: bool = True, output=None, mode: str = "exact", threads: Optional[int] = None, out=None,
+    interleaved: bool = True, rope_math: str = "max", output=None, mode: str = "exact",
+    threads: Optional[int] = None, out=None,
 ):
     """MAX's ``fused_qk_rope_bshd_paged``: rotates ``q_proj [batch, seq, heads, D]`` into the
     returned output and the new K inside ``kv_blocks``. Padded rows (``t ≥ valid_lengths[b]``) of
     the output are not written: they keep ``out``'s contents (zeros in a new array). ``output``
     (the earlier spelling) gives those contents without being written itself. ``freqs_cis`` has
-    ``q_proj``'s dtype."""
+    ``q_proj``'s dtype. ``rope_math``: ``"max"`` (MAX's rounding sequence in the freqs dtype, MAX's
+    RoPE bit for bit) or ``"f32"`` (f32 math, one rounding per value); every ``mode`` gives the
+    same bits."""
     if out is None and output is not None:
         out = output.clone() if hasattr(output, "clone") else np.array(output, copy=True)
     return _native.rope_bshd(
         q_proj, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx,
-        interleaved=interleaved, mode=mode, threads=threads, out=out,
+        interleaved=interleaved, rope_math=rope_math, mode=mode, threads=threads, out=out,
     )
 
 
 def rope_ragged(
     q_proj, input_row_offsets, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, layer_idx: int, *,
-    interleaved: bool = False, position_ids=None, mode: str = "exact", threads: Optional[int] = None, out=None,
+    interleaved: bool = True, position_ids=None, rope_math: str = "max", mode: str = "exact",
+    threads: Optional[int] = None, out=None,
 ):
     """MAX's ``fused_qk_rope_ragged``: ``q_proj [M, heads, Dq]``, ``freqs_cis [rows, rope_dim]``
     (f32 or another float dtype; ``rope_dim`` < the head size rotates part of each head), optional
-    ``position_ids [M]``; returns the rotated Q."""
+    ``position_ids [M]``; returns the rotated Q. ``interleaved`` defaults to MAX's ``True``;
+    ``rope_math`` as in :func:`rope_bshd`."""
     return _native.rope_ragged(
         q_proj, input_row_offsets, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, layer_idx,
-        interleaved=interleaved, position_ids=position_ids, mode=mode, threads=threads, out=out,
+        interleaved=interleaved, position_ids=position_ids, rope_math=rope_math, mode=mode, threads=threads,
+        out=out,
     )
 
 

@@ -20,6 +20,7 @@ class RopeArgs(TypedDict, total=False):
     interleaved: bool
     q_head_size: int
     position_ids: Optional[ArrayLike]
+    math: str  # "max" (default) or "f32"
 
 class PackedWeight:
     """A fused Q|K|V weight packed once for the fast kernels (see :func:`pack_weight`)."""
@@ -102,6 +103,7 @@ def rope_bshd(
     layer_idx: int,
     *,
     interleaved: bool = True,
+    rope_math: str = "max",
     output: Optional[ArrayLike] = None,
     mode: Mode = "exact",
     threads: Optional[int] = None,
@@ -116,8 +118,9 @@ def rope_ragged(
     kv_lookup_table: ArrayLike,
     layer_idx: int,
     *,
-    interleaved: bool = False,
+    interleaved: bool = True,
     position_ids: Optional[ArrayLike] = None,
+    rope_math: str = "max",
     mode: Mode = "exact",
     threads: Optional[int] = None,
     out: Optional[ArrayLike] = None,

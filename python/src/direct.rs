@@ -38,9 +38,6 @@ impl Mode {
     fn acc(self) -> Accumulation {
         if self == Mode::Sequential { Accumulation::Sequential } else { Accumulation::Exact }
     }
-    fn rope_math(self) -> RopeMath {
-        if self == Mode::Sequential { RopeMath::MaxCompat } else { RopeMath::F32 }
-    }
 }
 
 pub fn mode_of(m: &str) -> PyResult<Mode> {
@@ -49,6 +46,16 @@ pub fn mode_of(m: &str) -> PyResult<Mode> {
         "sequential" => Ok(Mode::Sequential),
         "fast" => Ok(Mode::Fast),
         _ => Err(PyValueError::new_err(format!("mode: expected 'exact', 'sequential' or 'fast', found {m:?}"))),
+    }
+}
+
+/// `rope_math=` / the `rope` dict's `math`: `"max"` (MAX's rounding sequence in the freqs dtype,
+/// MAX's RoPE bit for bit: the default) or `"f32"` (f32 math, one rounding per value).
+pub fn rope_math_of(m: &str, arg: &str) -> PyResult<RopeMath> {
+    match m {
+        "max" => Ok(RopeMath::MaxCompat),
+        "f32" => Ok(RopeMath::F32),
+        _ => Err(PyValueError::new_err(format!("{arg}: expected 'max' or 'f32', found {m:?}"))),
     }
 }
 
@@ -279,6 +286,7 @@ struct RopeIn<'py> {
     q_head_size: usize,
     interleaved: bool,
     ids: Option<Arg<'py>>,
+    math: RopeMath,
 }
 
 /// A fused RoPE's descriptions inside the call.
@@ -290,18 +298,20 @@ struct RopeD<'a> {
     q_head_size: usize,
     interleaved: bool,
     ids: Option<&'a Desc>,
+    math: RopeMath,
 }
 
 impl<'py> RopeIn<'py> {
-    /// `{"freqs_cis": [rows, rope_dim], "interleaved": False, "q_head_size": head, "position_ids": None}`.
+    /// `{"freqs_cis": [rows, rope_dim], "interleaved": False, "q_head_size": head, "position_ids": None,
+    /// "math": "max"}`.
     fn new(d: &Bound<'py, PyAny>, head: usize, ragged: bool) -> PyResult<Self> {
         let d = d.cast::<PyDict>().map_err(|_| type_err("rope", "expected a dict with `freqs_cis`"))?;
         for k in d.keys() {
             let k: String = k.extract()?;
-            if !matches!(k.as_str(), "freqs_cis" | "interleaved" | "q_head_size" | "position_ids") {
+            if !matches!(k.as_str(), "freqs_cis" | "interleaved" | "q_head_size" | "position_ids" | "math") {
                 return Err(value_err(
                     "rope",
-                    format!("unknown key {k:?} (expected freqs_cis, interleaved, q_head_size, position_ids)"),
+                    format!("unknown key {k:?} (expected freqs_cis, interleaved, q_head_size, position_ids, math)"),
                 ));
             }
         }
@@ -328,7 +338,14 @@ impl<'py> RopeIn<'py> {
             }
             _ => None,
         };
-        Ok(RopeIn { freqs, ff, rope_dim, q_head_size, interleaved, ids })
+        let math = match d.get_item("math")? {
+            Some(v) => {
+                let m: String = v.extract().map_err(|_| type_err("rope.math", "expected 'max' or 'f32'"))?;
+                rope_math_of(&m, "rope.math")?
+            }
+            None => RopeMath::MaxCompat,
+        };
+        Ok(RopeIn { freqs, ff, rope_dim, q_head_size, interleaved, ids, math })
     }
 
     fn d(&self) -> RopeD<'_> {
@@ -339,6 +356,7 @@ impl<'py> RopeIn<'py> {
             q_head_size: self.q_head_size,
             interleaved: self.interleaved,
             ids: self.ids.as_ref().map(|a| a.d()),
+            math: self.math,
         }
     }
 
@@ -354,7 +372,6 @@ impl<'py> RopeIn<'py> {
 fn with_rope<R>(
     r: Option<RopeD<'_>>,
     h: &Held<'_, '_>,
-    mode: Mode,
     f: impl FnOnce(Option<QkvRope<'_>>) -> PyResult<R>,
 ) -> PyResult<R> {
     let Some(r) = r else { return f(None) };
@@ -373,7 +390,7 @@ fn with_rope<R>(
         rope_dim: r.rope_dim,
         interleaved: r.interleaved,
         position_ids: ids.as_deref(),
-        math: mode.rope_math(),
+        math: r.math,
     }))
 }
 
@@ -569,7 +586,7 @@ fn plain_ragged<T: PackedOf, O: Pod + paged_qkv::Element, C: Pod + paged_qkv::El
     let (xs, bs, outs) = (xm.slice::<T>(), bm.as_ref().map(|b| b.slice::<T>()), om.slice_mut::<O>());
     let offsets = indices(&offm)?;
     with_kv::<C, _>(c, h, |kv| {
-        with_rope(rope, h, mode, |rope| {
+        with_rope(rope, h, |rope| {
             match (w, mode) {
                 (PlainWD::Packed(p), Mode::Fast) => {
                     let args = QkvRaggedPackedArgs {
@@ -685,7 +702,7 @@ fn plain_bshd<T: PackedOf, O: Pod + paged_qkv::Element, C: Pod + paged_qkv::Elem
     let (xs, outs) = (xm.slice::<T>(), om.slice_mut::<O>());
     let valid = indices(&vm)?;
     with_kv::<C, _>(c, h, |kv| {
-        with_rope(rope, h, mode, |rope| {
+        with_rope(rope, h, |rope| {
             match (w, mode) {
                 (PlainWD::Packed(p), Mode::Fast) => {
                     let args = QkvBshdPackedArgs {
@@ -848,7 +865,7 @@ fn block_ragged<O: Pod + paged_qkv::Element, C: Pod + paged_qkv::Element>(
     let outs = om.slice_mut::<O>();
     let offsets = indices(&offm)?;
     with_kv::<C, _>(c, h, |kv| {
-        with_rope(rope, h, mode, |rope| {
+        with_rope(rope, h, |rope| {
             let packed = match w {
                 Err(p) => match &p.inner {
                     Packed::Block(pw) => Some(pw),
@@ -890,7 +907,7 @@ fn block_ragged<O: Pod + paged_qkv::Element, C: Pod + paged_qkv::Element>(
 /// MAX's `fused_qk_rope_bshd_paged` (see the Python docstring). `out` holds the result; its
 /// padded rows keep their contents.
 #[pyfunction]
-#[pyo3(signature = (q_proj, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx, *, interleaved=true, mode="exact", threads=None, out=None, repeat=1))]
+#[pyo3(signature = (q_proj, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx, *, interleaved=true, rope_math="max", mode="exact", threads=None, out=None, repeat=1))]
 #[allow(clippy::too_many_arguments)]
 pub fn rope_bshd<'py>(
     py: Python<'py>,
@@ -902,12 +919,14 @@ pub fn rope_bshd<'py>(
     valid_lengths: &Bound<'py, PyAny>,
     layer_idx: usize,
     interleaved: bool,
+    rope_math: &str,
     mode: &str,
     threads: Option<usize>,
     out: Option<&Bound<'py, PyAny>>,
     repeat: usize,
 ) -> PyResult<Bound<'py, PyAny>> {
     let mode = mode_of(mode)?;
+    let math = rope_math_of(rope_math, "rope_math")?;
     let c = CacheIn::new(kv_blocks, cache_lengths, kv_lookup_table, layer_idx)?;
     let q = Arg::new(q_proj, "q_proj", false)?;
     let qt = float_of(&q, false)?;
@@ -961,8 +980,8 @@ pub fn rope_bshd<'py>(
                     interleaved,
                 };
                 match mode {
-                    Mode::Fast => fast::rope_bshd(&args, outs, kv, mode.rope_math(), exec),
-                    _ => reference::rope_bshd(&args, outs, kv, mode.rope_math()),
+                    Mode::Fast => fast::rope_bshd(&args, outs, kv, math, exec),
+                    _ => reference::rope_bshd(&args, outs, kv, math),
                 }
                 .map_err(fail)
             })
@@ -973,7 +992,7 @@ pub fn rope_bshd<'py>(
 
 /// MAX's `fused_qk_rope_ragged` (see the Python docstring).
 #[pyfunction]
-#[pyo3(signature = (q_proj, input_row_offsets, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, layer_idx, *, interleaved=false, position_ids=None, mode="exact", threads=None, out=None, repeat=1))]
+#[pyo3(signature = (q_proj, input_row_offsets, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, layer_idx, *, interleaved=true, position_ids=None, rope_math="max", mode="exact", threads=None, out=None, repeat=1))]
 #[allow(clippy::too_many_arguments)]
 pub fn rope_ragged<'py>(
     py: Python<'py>,
@@ -986,12 +1005,14 @@ pub fn rope_ragged<'py>(
     layer_idx: usize,
     interleaved: bool,
     position_ids: Option<&Bound<'py, PyAny>>,
+    rope_math: &str,
     mode: &str,
     threads: Option<usize>,
     out: Option<&Bound<'py, PyAny>>,
     repeat: usize,
 ) -> PyResult<Bound<'py, PyAny>> {
     let mode = mode_of(mode)?;
+    let math = rope_math_of(rope_math, "rope_math")?;
     let c = CacheIn::new(kv_blocks, cache_lengths, kv_lookup_table, layer_idx)?;
     let q = Arg::new(q_proj, "q_proj", false)?;
     let qt = float_of(&q, false)?;
@@ -1036,8 +1057,8 @@ pub fn rope_ragged<'py>(
                     interleaved,
                 };
                 match mode {
-                    Mode::Fast => fast::rope_ragged(&args, outs, kv, mode.rope_math(), exec),
-                    _ => reference::rope_ragged(&args, outs, kv, mode.rope_math()),
+                    Mode::Fast => fast::rope_ragged(&args, outs, kv, math, exec),
+                    _ => reference::rope_ragged(&args, outs, kv, math),
                 }
                 .map_err(fail)
             })

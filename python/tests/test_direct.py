@@ -359,7 +359,8 @@ fifty = peak()
 print(base, one, fifty, packed.nbytes)
 """
     pytest.importorskip("ml_dtypes")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    # env=: Python's view of the environment (MAX's runtime, if a test loaded it, edits the C-level one).
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ))
     assert p.returncode == 0, p.stderr
     base, one, fifty, nbytes = map(int, p.stdout.split())
     assert nbytes >= 100_000_000

@@ -200,11 +200,12 @@ def test_no_torch_and_no_ml_dtypes(tmp_path):
         "pq.check(c, r).assert_ok()\n"
         "print('ok')\n"
     )
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    # env=: Python's view of the environment (MAX's runtime, if a test loaded it, edits the C-level one).
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ))
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
     # Nor does it import torch where torch is installed.
     code = "import sys, paged_qkv as pq\npq.make_case('qkv_ragged').run('fast')\nprint('torch' in sys.modules)\n"
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ))
     assert p.returncode == 0 and p.stdout.strip() == "False", p.stderr
 
 

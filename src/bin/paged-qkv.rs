@@ -57,10 +57,27 @@ struct Cli {
 enum ModeArg {
     /// The SIMD path where one exists, else the exact reference.
     Fast,
-    /// The reference in MAX's f32 order (RoPE: MAX's bf16 sequence).
+    /// The reference in MAX's CPU order (an f32 FMA chain).
     Sequential,
-    /// The reference with exact accumulation (RoPE: f32 math).
+    /// The reference with exact accumulation.
     Exact,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum RopeMathArg {
+    /// MAX's rounding sequence in the freqs dtype (MAX's RoPE bit for bit).
+    Max,
+    /// f32 math, one rounding per value.
+    F32,
+}
+
+impl RopeMathArg {
+    fn name(self) -> &'static str {
+        match self {
+            RopeMathArg::Max => "max",
+            RopeMathArg::F32 => "f32",
+        }
+    }
 }
 
 impl From<ModeArg> for Mode {
@@ -183,6 +200,10 @@ enum Cmd {
         /// Worker threads (default: all cores).
         #[arg(long)]
         threads: Option<usize>,
+        /// RoPE math (RoPE ops and fused RoPE): MAX's rounding sequence (the case file's
+        /// `rope_math`, by default `max`) or f32 throughout.
+        #[arg(long, value_enum)]
+        rope_math: Option<RopeMathArg>,
     },
     /// Compare a GPU kernel's results (`output`, `kv_blocks`) with the reference. Exit 0: within
     /// tolerance, 1: not, 2: bad input.
@@ -208,6 +229,9 @@ enum Cmd {
         /// rope_bshd), which MAX leaves undefined (not compared by default).
         #[arg(long)]
         compare_padded_q: bool,
+        /// RoPE math of the reference (the case file's `rope_math`, by default `max`).
+        #[arg(long, value_enum)]
+        rope_math: Option<RopeMathArg>,
     },
     /// Write a realistic random case.
     MakeCase {
@@ -307,10 +331,12 @@ fn pool(threads: Option<usize>) -> Result<rayon::ThreadPool, Bad> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let res = match cli.cmd.unwrap_or(Cmd::Demo { threads: None }) {
-        Cmd::Run { case, out, mode, threads } => run(&case, &out, mode.into(), threads).map(|_| 0),
-        Cmd::Check { case, actual, atol, rtol, ulps, mode, compare_padded_q } => {
+        Cmd::Run { case, out, mode, threads, rope_math } => {
+            run(&case, &out, mode.into(), threads, rope_math).map(|_| 0)
+        }
+        Cmd::Check { case, actual, atol, rtol, ulps, mode, compare_padded_q, rope_math } => {
             let opts = case::CheckOptions::new().with_compare_padded_q(compare_padded_q);
-            check(&case, &actual, Tolerance { atol, rtol, ulps }, mode.into(), opts)
+            check(&case, &actual, Tolerance { atol, rtol, ulps }, mode.into(), opts, rope_math)
         }
         Cmd::MakeCase { op, model, batch, seed, format, f8_dtypes, out } => {
             make_case(op.into(), model.shape(), batch, seed, format.into(), f8_dtypes, &out).map(|_| 0)
@@ -331,8 +357,23 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(case_path: &PathBuf, out: &PathBuf, mode: Mode, threads: Option<usize>) -> Result<(), Bad> {
-    let c = Case::from_bytes(&read(case_path)?)?;
+/// The case file at `path`, with `--rope-math` (if given) as its `rope_math`.
+fn read_case(path: &PathBuf, rope_math: Option<RopeMathArg>) -> Result<Case, Bad> {
+    let mut c = Case::from_bytes(&read(path)?)?;
+    if let Some(m) = rope_math {
+        c.meta.insert("rope_math".into(), m.name().into());
+    }
+    Ok(c)
+}
+
+fn run(
+    case_path: &PathBuf,
+    out: &PathBuf,
+    mode: Mode,
+    threads: Option<usize>,
+    rope_math: Option<RopeMathArg>,
+) -> Result<(), Bad> {
+    let c = read_case(case_path, rope_math)?;
     let (o, kv) = pool(threads)?.install(|| c.run(mode, case::exec(threads)))?;
     let mut t = BTreeMap::new();
     if let Some(o) = o {
@@ -356,8 +397,9 @@ fn check(
     tol: Tolerance,
     mode: Mode,
     opts: case::CheckOptions,
+    rope_math: Option<RopeMathArg>,
 ) -> Result<u8, Bad> {
-    let c = Case::from_bytes(&read(case_path)?)?;
+    let c = read_case(case_path, rope_math)?;
     let act = case::load_tensors(&read(actual)?)?;
     let report = case::check_with(&c, &act, tol, mode, opts)?;
     for line in report.text.lines() {

@@ -30,8 +30,11 @@
 //! * MXFP8 (every ISA: E4M3 widened exactly through IEEE half, f32 FMAs) also sums inside a
 //!   block in f32:
 //!   `≤ (K + Kb + 2) · 2^-24 · Σ_k |term| · |tensor_sf|`.
-//! * bf16/f16/f32: `≤ (K + 2) · 2^-24 · (Σ_k |a_k · w_k| + |bias|)` (a chain of K FMAs and the bias
-//!   add); AVX-512 BF16 adds up to `K · 2^-126` where it flushes subnormals.
+//! * bf16/f16/f32: `≤ (K + 2) · 2^-24 · Σ_k |a_k · w_k|` for the product (a chain of K FMAs);
+//!   AVX-512 BF16 adds up to `K · 2^-126` where it flushes subnormals. A bias is added as MAX adds
+//!   it, to the product rounded to the destination's dtype (the same step in every mode:
+//!   [semantics §4](crate::semantics)); into an E4M3 cache, `Σ + bias` is rounded once (bound
+//!   `(K + 2) · 2^-24 · (Σ_k |a_k · w_k| + |bias|)`).
 //! * Subnormal results add at most `2^-149` per rounding.
 //!
 //! Elements the fast order cannot be trusted with — a non-finite fast value (an overflowing block
@@ -135,7 +138,7 @@ pub struct QkvRaggedPackedArgs<'a, T> {
     pub input_row_offsets: &'a [u32],
     /// The fused weight `[N, hidden_size]`, packed once by [`PackedPlainWeights::new`].
     pub weight: &'a PackedPlainWeights<T>,
-    /// Optional `[N]` bias added to the accumulator before the one rounding.
+    /// Optional `[N]` bias, added as MAX adds it ([semantics §4](crate::semantics)).
     pub bias: Option<&'a [T]>,
     /// Columns routed to `output`.
     pub q_dim: usize,
@@ -558,7 +561,7 @@ fn run_plain<T: Element, D: Dest>(
     head: usize,
 ) {
     let acts = PlainActs::prepare(x, m, w.k(), token, w.kind, dest.kv_rows(), exec.parallel());
-    let src = PlainOperands { w, a: &acts, bias };
+    let src = PlainOperands { w, a: &acts, bias, token };
     let panels = Panels::new(w.rows(), Panels::target(head), |c| dest.may_cut(c));
     run(&src, dest, m, token, exec.parallel(), &panels);
 }

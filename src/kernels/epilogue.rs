@@ -84,9 +84,9 @@ impl Scratch {
 /// Rounds column `c` of `row`: the fast value, or the exact path's where the family says so.
 #[inline(always)]
 fn round<S: Operands, D: Element>(src: &S, row: usize, c: usize, acc: f32) -> D {
-    match src.value(row, c, acc) {
+    match src.value(row, c, acc, D::DTYPE) {
         Some(v) => D::from_f32(v),
-        None => D::from_f64(src.exact(row, c)),
+        None => D::from_f64(src.exact(row, c, D::DTYPE)),
     }
 }
 
@@ -201,7 +201,7 @@ fn values<'d, S: Operands, D: Element>(
         // column. Measured: the per-column path was 12 % of a Qwen-shaped M = 1 NVFP4 call.
         for (p, piece) in vals.chunks_mut(CHUNK).enumerate() {
             let (n, at) = (piece.len(), c + p * CHUNK - c0);
-            if src.values(row, c + p * CHUNK, &accs[at..at + n], &mut f[..n]) {
+            if src.values(row, c + p * CHUNK, &accs[at..at + n], &mut f[..n], D::DTYPE) {
                 narrow(token, &f[..n], piece);
                 continue;
             }

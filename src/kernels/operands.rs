@@ -16,7 +16,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::pack::{Fp4Acts, PackedPlainWeights, PackedWeights, PlainActs};
-use crate::element::Element;
+use crate::element::{DType, Element, bf16_through, biased, biased_exact};
 use crate::formats::BlockFormat;
 use crate::formats::fp4::E2M1_DOUBLED;
 use crate::formats::fp8::e4m3_to_units;
@@ -26,6 +26,7 @@ use crate::simd::fp4::Fp4Rows;
 use crate::simd::fp8::E8M0_FP8_ACT_BIAS;
 use crate::simd::fp8::Fp8Rows;
 use crate::simd::plain::PackedRows;
+use crate::simd::rope::{narrow, widen};
 use crate::simd::{DECODE_ROWS, GROUP, IsaToken, MR, ROW_GROUPS};
 
 /// One task's rows and columns.
@@ -51,25 +52,25 @@ pub(crate) trait Operands: Sync {
     }
     /// Accumulators of the tile's rows × columns into `buf[i · (c1 − c0) + (c − c0)]`.
     fn tile(&self, token: IsaToken, t: &Tile<'_>, buf: &mut [f32]);
-    /// The value to round for `(row, col)` from its accumulator, or `None` when the exact path
-    /// must decide it.
-    fn value(&self, row: usize, col: usize, acc: f32) -> Option<f32>;
-    /// The values to round for columns `c ..` of `row` from their accumulators `accs` into `out`
-    /// (as long), when every one of them takes the fast path (`value` is `Some` for each, and
-    /// equal to what is written); `false` when any needs the exact path (`out` then unspecified).
-    /// The epilogue's bulk path: families override it with loops that vectorise.
-    fn values(&self, row: usize, c: usize, accs: &[f32], out: &mut [f32]) -> bool {
+    /// The value to round to `to` (the destination's element type) for `(row, col)` from its
+    /// accumulator, or `None` when the exact path must decide it.
+    fn value(&self, row: usize, col: usize, acc: f32, to: DType) -> Option<f32>;
+    /// The values to round to `to` for columns `c ..` of `row` from their accumulators `accs` into
+    /// `out` (as long), when every one of them takes the fast path (`value` is `Some` for each,
+    /// and equal to what is written); `false` when any needs the exact path (`out` then
+    /// unspecified). The epilogue's bulk path: families override it with loops that vectorise.
+    fn values(&self, row: usize, c: usize, accs: &[f32], out: &mut [f32], to: DType) -> bool {
         for (j, (&a, o)) in accs.iter().zip(out.iter_mut()).enumerate() {
-            match self.value(row, c + j, a) {
+            match self.value(row, c + j, a, to) {
                 Some(v) => *o = v,
                 None => return false,
             }
         }
         true
     }
-    /// The exact value of `(row, col)`, rounded to odd in f64 (one more rounding to any of the
-    /// crate's element types is the correctly rounded result).
-    fn exact(&self, row: usize, col: usize) -> f64;
+    /// The exact value of `(row, col)` for a destination of type `to`, rounded to odd in f64 (one
+    /// more rounding to `to` is the correctly rounded result).
+    fn exact(&self, row: usize, col: usize, to: DType) -> f64;
 }
 
 /// Block-scaled operands: `value = tensor_sf · Σ …`.
@@ -206,7 +207,7 @@ impl Operands for Fp4Operands<'_> {
     }
 
     #[inline]
-    fn value(&self, row: usize, col: usize, acc: f32) -> Option<f32> {
+    fn value(&self, row: usize, col: usize, acc: f32, _to: DType) -> Option<f32> {
         if self.a.nan_row[row] || self.w.nan_col[col] || self.may_underflow(row, col) {
             return None;
         }
@@ -214,7 +215,7 @@ impl Operands for Fp4Operands<'_> {
         v.is_finite().then_some(v)
     }
 
-    fn values(&self, row: usize, c: usize, accs: &[f32], out: &mut [f32]) -> bool {
+    fn values(&self, row: usize, c: usize, accs: &[f32], out: &mut [f32], _to: DType) -> bool {
         let cols = c..c + accs.len();
         // `value`'s conditions over the whole range: no NaN row or column, no possible
         // underflow (the smallest weight scale of the range decides), every value finite.
@@ -235,7 +236,7 @@ impl Operands for Fp4Operands<'_> {
         finite
     }
 
-    fn exact(&self, row: usize, col: usize) -> f64 {
+    fn exact(&self, row: usize, col: usize, _to: DType) -> f64 {
         let (w, a, f) = (self.w, self.a, self.w.format);
         let (v, k) = (f.vector_size(), w.k);
         let (tm, te) = f32_parts(self.tensor_sf);
@@ -287,6 +288,8 @@ pub(crate) struct PlainOperands<'a, T> {
     pub w: &'a PackedPlainWeights<T>,
     pub a: &'a PlainActs,
     pub bias: Option<&'a [T]>,
+    /// For the bias step's rounding to f16 (F16C / NEON conversions, as the epilogue's).
+    pub token: IsaToken,
 }
 
 /// Row tile of the bf16/f16/f32 kernels: a multiple of every micro-kernel's row count (12, 6, 4).
@@ -319,22 +322,40 @@ impl<T: Element> Operands for PlainOperands<'_, T> {
     }
 
     #[inline]
-    fn value(&self, _row: usize, col: usize, acc: f32) -> Option<f32> {
+    fn value(&self, _row: usize, col: usize, acc: f32, to: DType) -> Option<f32> {
         let v = match self.bias {
-            Some(b) => acc + b[col].to_f32(),
+            Some(b) => biased(to, acc, b[col].to_f32()),
             None => acc,
         };
         v.is_finite().then_some(v)
     }
 
-    fn values(&self, _row: usize, c: usize, accs: &[f32], out: &mut [f32]) -> bool {
+    fn values(&self, _row: usize, c: usize, accs: &[f32], out: &mut [f32], to: DType) -> bool {
         let mut finite = true;
         match self.bias {
+            // MAX's bias step (`biased`), one loop per destination type so that each vectorises.
             Some(b) => {
-                for ((o, &a), bv) in out.iter_mut().zip(accs).zip(&b[c..c + accs.len()]) {
-                    *o = a + bv.to_f32();
-                    finite &= o.is_finite();
-                }
+                let b = &b[c..c + accs.len()];
+                finite = match to {
+                    DType::BF16 => add_bias(out, accs, b, bf16_through),
+                    DType::F16 => {
+                        // Through f16 and back by the ISA's conversions (`narrow` is
+                        // `f16::from_f32` lane by lane, `widen` exact): `half`'s per value was
+                        // 1.5× a Qwen-shaped M = 512 call with f16 output on Zen 5.
+                        let mut h = [half::f16::ZERO; 256];
+                        for ((o, a), bb) in out.chunks_mut(256).zip(accs.chunks(256)).zip(b.chunks(256)) {
+                            let h = &mut h[..a.len()];
+                            narrow(self.token, a, h);
+                            widen(self.token, h, o);
+                            for (o, bv) in o.iter_mut().zip(bb) {
+                                *o += bv.to_f32();
+                                finite &= o.is_finite();
+                            }
+                        }
+                        finite
+                    }
+                    DType::F32 | DType::F8E4M3 => add_bias(out, accs, b, |x| x),
+                };
             }
             None => {
                 for (o, &a) in out.iter_mut().zip(accs) {
@@ -346,16 +367,35 @@ impl<T: Element> Operands for PlainOperands<'_, T> {
         finite
     }
 
-    fn exact(&self, row: usize, col: usize) -> f64 {
+    fn exact(&self, row: usize, col: usize, to: DType) -> f64 {
         let mut acc = ExactSum::new();
         for k in 0..self.w.k {
             acc.add_product_f32(self.a.get(row, k), self.w.get(col, k));
         }
-        if let Some(b) = self.bias {
-            acc.add_f32(b[col].to_f32());
+        match self.bias {
+            None => acc.to_f64_round_odd(),
+            Some(b) => {
+                let b = b[col].to_f32();
+                let v = acc.clone().to_f64_round_odd();
+                biased_exact(to, v, b, || {
+                    acc.add_f32(b);
+                    acc.to_f64_round_odd()
+                })
+            }
         }
-        acc.to_f64_round_odd()
     }
+}
+
+/// `out = through(acc) + bias` element by element; whether every result is finite. Generic over
+/// `through` so that each destination type's loop is compiled (and vectorised) on its own.
+#[inline(always)]
+fn add_bias<T: Element>(out: &mut [f32], accs: &[f32], bias: &[T], through: impl Fn(f32) -> f32) -> bool {
+    let mut finite = true;
+    for ((o, &a), b) in out.iter_mut().zip(accs).zip(bias) {
+        *o = through(a) + b.to_f32();
+        finite &= o.is_finite();
+    }
+    finite
 }
 
 /// The [`ROW_GROUPS`] groups of one tile row starting at `at`, as the one-row kernels take them

@@ -13,16 +13,20 @@ use crate::pool::Pooled;
 /// How the reference accumulates a dot product.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Accumulation {
-    /// k = 0..K−1 in order in f32, then × `tensor_sf`, then one rounding: MAX's naive reference
-    /// (`naive_block_scaled_matmul_kernel`) bit for bit.
+    /// MAX's order bit for bit: bf16/f16/f32, MAX's CPU matmul (an f32 FMA chain over k = 0..K−1,
+    /// then the bias step); block-scaled, MAX's naive reference (`naive_block_scaled_matmul_kernel`:
+    /// k in order in f32, then × `tensor_sf`, then one rounding).
     Sequential,
-    /// Exact accumulation of the exact products (and of `tensor_sf` and bias), one rounding at the
-    /// end: the true value, correctly rounded. The judge of every fast path.
+    /// Exact accumulation of the exact products (and of `tensor_sf`), one rounding at the end: the
+    /// true value, correctly rounded (a bias then added as MAX adds it). The judge of every fast
+    /// path.
     #[default]
     Exact,
 }
 
-/// How RoPE rounds.
+/// How RoPE rounds: an argument of every RoPE entry point and of fused RoPE, independent of the
+/// accumulation mode (every mode and ISA gives the same bits). `MaxCompat` is MAX's semantics and
+/// the default of the command line, case files and Python; `Default` here stays `F32`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum RopeMath {
     /// f32 math: `y0 = fma(x0, c, −(x1·s))`, `y1 = fma(x0, s, x1·c)` in f32, then one rounding to
@@ -130,7 +134,8 @@ pub struct QkvRaggedArgs<'a, T> {
     pub weight: &'a [T],
     /// K.
     pub hidden_size: usize,
-    /// Optional `[N]` bias added to the accumulator before the one rounding.
+    /// Optional `[N]` bias, added as MAX adds it: to the product rounded to the destination's
+    /// dtype, the sum rounded again ([semantics §4](crate::semantics)).
     pub bias: Option<&'a [T]>,
     /// Columns routed to `output`.
     pub q_dim: usize,

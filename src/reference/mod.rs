@@ -4,12 +4,13 @@
 //! Each function validates all of its arguments first (see [`crate::ops`]); on any error the
 //! output and the whole cache are unchanged. Matmul results are formed as one pre-rounding value
 //! per (row, column) and rounded **once** to the destination type: Q to the output dtype, K/V to
-//! the cache dtype (FP8 saturates), as [semantics §9](crate::semantics) says.
+//! the cache dtype (FP8 saturates), as [semantics §9](crate::semantics) says — except that a bias
+//! is added as MAX adds it, after the product's rounding (§4).
 
 pub(crate) mod exact;
 
 use crate::cache::{KvSel, KvWrite, PagedKvCacheMut, SlotPlan};
-use crate::element::Element;
+use crate::element::{DType, Element, biased_exact};
 use crate::error::Result;
 use crate::formats::fp8::{e4m3_to_units, e8m0_to_f32};
 use crate::formats::{BlockFormat, QuantizedRef, fp4};
@@ -48,13 +49,13 @@ pub fn qkv_fp4_ragged<O: Element, C: Element>(
 
     let tsf = args.tensor_sf;
     match mode {
-        Accumulation::Sequential => route(w.rows(), args.q_dim, output, kv, &plan, |r, vals| {
+        Accumulation::Sequential => route(w.rows(), args.q_dim, output, kv, &plan, None, |r, vals, _| {
             let (av, sa) = decode_row(a, r);
             for (j, v) in vals.iter_mut().enumerate() {
                 *v = fp4_sequential(&av, &sa, w, j, tsf);
             }
         }),
-        Accumulation::Exact => route(w.rows(), args.q_dim, output, kv, &plan, |r, vals| {
+        Accumulation::Exact => route(w.rows(), args.q_dim, output, kv, &plan, None, |r, vals, _| {
             let ar = exact_row(a, r);
             for (j, v) in vals.iter_mut().enumerate() {
                 *v = fp4_exact(&ar, &exact_row(w, j), a, tsf);
@@ -67,7 +68,8 @@ pub fn qkv_fp4_ragged<O: Element, C: Element>(
 
 /// Fused QKV projection of a ragged batch of bf16/f16/f32 activations (MAX's non-quantized
 /// sibling `fused_qkv_matmul_kv_cache_paged_ragged`, plus its optional bias): routing as in
-/// [`qkv_fp4_ragged`]; the bias `[N]` is added to the accumulator before the one rounding.
+/// [`qkv_fp4_ragged`]. The bias `[N]` is added as MAX adds it ([semantics §4](crate::semantics)):
+/// to the product already rounded to the destination's dtype, and the sum rounded again.
 #[doc(alias = "fused_qkv_matmul_kv_cache_paged_ragged")]
 #[doc(alias = "fused_qkv_matmul_kv_cache_paged_ragged_bias")]
 pub fn qkv_ragged<T: Element, O: Element, C: Element>(
@@ -87,8 +89,11 @@ pub fn qkv_ragged<T: Element, O: Element, C: Element>(
         output.len(),
         kv,
     )?;
-    route(n, args.q_dim, output, kv, &plan, |r, vals| {
-        plain_row(&args.hidden_state[r * k..(r + 1) * k], args.weight, args.bias, k, mode, vals)
+    let bias = args.bias.map(|b| move |j: usize| b[j].to_f32());
+    let bias_fn = bias.as_ref().map(|f| f as &dyn Fn(usize) -> f32);
+    route(n, args.q_dim, output, kv, &plan, bias_fn, |r, vals, with_bias| {
+        let b = if with_bias { args.bias } else { None };
+        plain_row(&args.hidden_state[r * k..(r + 1) * k], args.weight, b, k, mode, vals)
     });
     fused_rope(args.rope.as_ref(), &positions, args.q_dim, output, kv, &plan);
     Ok(())
@@ -119,7 +124,7 @@ pub fn qkv_bshd<T: Element, O: Element, C: Element>(
         output.len(),
         kv,
     )?;
-    route(n, args.q_dim, output, kv, &plan, |r, vals| {
+    route(n, args.q_dim, output, kv, &plan, None, |r, vals, _| {
         plain_row(&args.hidden_state[r * k..(r + 1) * k], args.weight, None, k, mode, vals)
     });
     fused_rope(args.rope.as_ref(), &positions, args.q_dim, output, kv, &plan);
@@ -292,7 +297,10 @@ fn fp4_exact(ar: &ExactRow, wr: &ExactRow, a: QuantizedRef<'_>, tensor_sf: f32) 
     acc.to_f64_round_odd()
 }
 
-/// Row `x` times the first `vals.len()` weight rows (+ bias), as `mode` says.
+/// Row `x` times the first `vals.len()` weight rows, as `mode` says (plus `bias` in the sum when
+/// given: the E4M3 destinations' rule, semantics §4). `Sequential` is MAX's CPU order: a chain of
+/// f32 FMAs over k in order (bf16 and f16 products are exact in f32, so for them it is also the
+/// multiply-then-add chain).
 fn plain_row<T: Element>(x: &[T], w: &[T], bias: Option<&[T]>, k: usize, mode: Accumulation, vals: &mut [f64]) {
     for (j, out) in vals.iter_mut().enumerate() {
         let wr = &w[j * k..(j + 1) * k];
@@ -301,7 +309,7 @@ fn plain_row<T: Element>(x: &[T], w: &[T], bias: Option<&[T]>, k: usize, mode: A
             Accumulation::Sequential => {
                 let mut acc = 0.0f32;
                 for (a, c) in x.iter().zip(wr) {
-                    acc += a.to_f32() * c.to_f32();
+                    acc = a.to_f32().mul_add(c.to_f32(), acc);
                 }
                 (acc + b.unwrap_or(0.0)) as f64
             }
@@ -319,31 +327,51 @@ fn plain_row<T: Element>(x: &[T], w: &[T], bias: Option<&[T]>, k: usize, mode: A
     }
 }
 
-/// For every row of the plan: computes its values with `row_values(r, vals)` (all `n` columns
-/// when the row has a slot, else its `q_dim` Q columns), then writes Q to `output[r]` and K/V
-/// through the cache router, each rounded once.
+/// A product's value for a destination of type D: rounded once, or with a bias through MAX's
+/// bias step ([`biased_exact`]); `with_bias` is the product plus the bias in one value (the E4M3
+/// cache's rule).
+fn dest_value<D: Element>(v: f64, bias: Option<f32>, with_bias: f64) -> D {
+    match bias {
+        None => D::from_f64(v),
+        Some(b) => D::from_f64(biased_exact(D::DTYPE, v, b, || with_bias)),
+    }
+}
+
+/// For every row of the plan: computes its values with `row_values(r, vals, with_bias)` (all `n`
+/// columns when the row has a slot, else its `q_dim` Q columns; `with_bias`: the bias inside the
+/// sum), then writes Q to `output[r]` and K/V through the cache router, each rounded once — or,
+/// with a `bias`, through MAX's bias step ([semantics §4](crate::semantics)).
 fn route<O: Element, C: Element>(
     n: usize,
     q_dim: usize,
     output: &mut [O],
     kv: &mut KvWrite<'_, C>,
     plan: &SlotPlan,
-    mut row_values: impl FnMut(usize, &mut [f64]),
+    bias: Option<&dyn Fn(usize) -> f32>,
+    mut row_values: impl FnMut(usize, &mut [f64], bool),
 ) {
     let shape = kv.cache.shape();
     let layer = kv.layer_idx;
     let data = kv.cache.data_mut();
     let mut vals = vec![0.0; n];
+    // An E4M3 destination rounds product + bias once: those sums, computed only where needed.
+    let fp8 = O::DTYPE == DType::F8E4M3 || C::DTYPE == DType::F8E4M3;
+    let mut summed = vec![0.0; if bias.is_some() && fp8 { n } else { 0 }];
+    let b = |j: usize| bias.map(|f| f(j));
     for (r, slot) in plan.rows.iter().enumerate() {
         let width = if slot.is_some() { n } else { q_dim };
-        row_values(r, &mut vals[..width]);
-        for (o, &v) in output[r * q_dim..(r + 1) * q_dim].iter_mut().zip(&vals[..q_dim]) {
-            *o = O::from_f64(v);
+        row_values(r, &mut vals[..width], false);
+        if !summed.is_empty() {
+            row_values(r, &mut summed[..width], true);
+        }
+        let sum = |j: usize| summed.get(j).copied().unwrap_or(f64::NAN);
+        for (j, o) in output[r * q_dim..(r + 1) * q_dim].iter_mut().enumerate() {
+            *o = dest_value(vals[j], b(j), sum(j));
         }
         let Some(slot) = slot else { continue };
         let base = shape.slot_base(slot.block, layer, slot.offset);
-        for (j, &v) in vals[q_dim..].iter().enumerate() {
-            data[base + shape.kv_column_offset(j)] = C::from_f64(v);
+        for (j, &v) in vals[q_dim..width].iter().enumerate() {
+            data[base + shape.kv_column_offset(j)] = dest_value(v, b(q_dim + j), sum(q_dim + j));
         }
     }
 }

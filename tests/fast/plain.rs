@@ -362,20 +362,45 @@ fn unsafe_cast<T: Element>(s: &Plain<T>) -> &Plain<bf16> {
     (s as &dyn std::any::Any).downcast_ref::<Plain<bf16>>().expect("bf16 setup")
 }
 
+/// The value a narrow destination D holds for an f32 product `p` (the kernel's accumulator) and
+/// bias `b`: one rounding without a bias; with one, MAX's bias step `D(D(p) + b)`, and for an
+/// E4M3 cache `D(p + b)` (semantics §4).
+fn narrow_of<D: Element>(p: f32, b: Option<f32>) -> D {
+    match b {
+        None => D::from_f32(p),
+        Some(b) if D::DTYPE == DType::F8E4M3 => D::from_f32(p + b),
+        Some(b) => D::from_f32(D::from_f32(p).to_f32() + b),
+    }
+}
+
 /// Narrow destinations (bf16, f16, E4M3 cache; bf16/f16 output) are one rounding of the f32
-/// result, on every ISA.
+/// accumulator (or, with a bias, MAX's bias step on it: `narrow_of`), on every ISA.
 fn check_narrow<T: Element, O: Element, C: Element>(s: &Plain<T>) {
+    // The accumulators: the same call without its bias, into f32 destinations.
+    let plain = Plain { bias: None, ..s.clone() };
     for isa in Isa::available() {
-        let wide: (Vec<f32>, Vec<f32>) = run(s, How::Fast(isa_exec(isa)), SEED);
+        let acc: (Vec<f32>, Vec<f32>) = run(&plain, How::Fast(isa_exec(isa)), SEED);
         let narrow: (Vec<O>, Vec<C>) = run(s, How::Fast(isa_exec(isa)), SEED);
         let before: PagedKvCache<C> = random_cache(&mut Rng::new(SEED), s.shape);
-        let written: std::collections::HashSet<usize> = elements(s).iter().filter_map(|e| e.2).collect();
-        for (j, (o, w)) in narrow.0.iter().zip(&wide.0).enumerate() {
-            assert_eq!(o.to_bits(), O::from_f32(*w).to_bits(), "{isa:?} output {j}");
+        let bias = |n: usize| s.bias.as_ref().map(|b| b[n].to_f32());
+        for (i, n, ix) in elements(s) {
+            match ix {
+                None => {
+                    let j = i * s.q_dim + n;
+                    let want: O = narrow_of(acc.0[j], bias(n));
+                    assert_eq!(narrow.0[j].to_bits(), want.to_bits(), "{isa:?} output ({i}, {n})");
+                }
+                Some(ix) => {
+                    let want: C = narrow_of(acc.1[ix], bias(n));
+                    assert_eq!(narrow.1[ix].to_bits(), want.to_bits(), "{isa:?} cache {:?}", s.shape.coords(ix));
+                }
+            }
         }
+        let written: std::collections::HashSet<usize> = elements(s).iter().filter_map(|e| e.2).collect();
         for (ix, c) in narrow.1.iter().enumerate() {
-            let want = if written.contains(&ix) { C::from_f32(wide.1[ix]) } else { before.data()[ix] };
-            assert_eq!(c.to_bits(), want.to_bits(), "{isa:?} cache {:?}", s.shape.coords(ix));
+            if !written.contains(&ix) {
+                assert_eq!(c.to_bits(), before.data()[ix].to_bits(), "{isa:?} cache {:?}", s.shape.coords(ix));
+            }
         }
     }
 }

@@ -1,5 +1,5 @@
 //! The bf16/f16/f32 fused QKV oracles (padded BSHD and ragged with bias) against independent
-//! exact sums, MAX's f32 order, and the valid-length rule.
+//! exact sums, MAX's CPU order (an f32 FMA chain), MAX's bias rounding, and the valid-length rule.
 
 use crate::common::*;
 use paged_qkv::reference::{qkv_bshd, qkv_ragged};
@@ -83,9 +83,10 @@ fn check_bshd<T: Element, O: Element, C: Element>(rng: &mut Rng, c: &Bshd, mode:
                         )
                     }
                     Accumulation::Sequential => {
+                        // MAX's CPU matmul: acc = fma(x[k], w[k], acc) for k in order.
                         let mut acc = 0f32;
                         for (a, bb) in xr.iter().zip(wr) {
-                            acc += a.to_f32() * bb.to_f32();
+                            acc = a.to_f32().mul_add(bb.to_f32(), acc);
                         }
                         (O::from_f32(acc), C::from_f32(acc))
                     }
@@ -196,8 +197,10 @@ fn ragged_with_bias() {
         for (b, &l) in lens.iter().enumerate() {
             for t in 0..l {
                 for j in 0..n {
-                    let s = exact_dot(&x[row * k..(row + 1) * k], &w[j * k..(j + 1) * k], with_bias.then_some(bias[j]));
-                    let want = round_scaled(s, -100, 24) as f32;
+                    // MAX's bias step: the product rounded to f32, the bias added, the sum rounded.
+                    let s = exact_dot(&x[row * k..(row + 1) * k], &w[j * k..(j + 1) * k], None);
+                    let product = round_scaled(s, -100, 24) as f32;
+                    let want = if with_bias { product + bias[j] } else { product };
                     if j < q_dim {
                         assert_eq!(out[row * q_dim + j], want);
                     } else {
@@ -213,4 +216,129 @@ fn ragged_with_bias() {
         }
         assert_cache_writes(shape, &before, cache.data(), &written);
     }
+}
+
+/// MAX's bias step in a narrow dtype: the product rounded to bf16 (or f16), the bias added and the
+/// sum rounded again — checked against an independent exact sum, in both modes; an E4M3 cache
+/// rounds product + bias once (the crate's FP8 rule).
+fn check_bias_rounding<O: Element, C: Element>(mode: Accumulation) {
+    let mut rng = Rng::new(23);
+    let (k, hq, hkv, hd, page) = (40, 2, 1, 8, 4);
+    let q_dim = hq * hd;
+    let n = q_dim + 2 * hkv * hd;
+    let lens = [3usize, 2];
+    let cl = [5u32, 0];
+    let m: usize = lens.iter().sum();
+    let x: Vec<bf16> = values(&mut rng, m * k);
+    let w: Vec<bf16> = values(&mut rng, n * k);
+    let bias: Vec<bf16> = values(&mut rng, n);
+    let shape = CacheShape::mha(32, 1, page, hkv, hd).unwrap();
+    let pg = pages(&mut rng, &cl, &lens, page, 32);
+    let offs = offsets(&lens);
+    let mut cache: PagedKvCache<C> = random_cache(&mut rng, shape);
+    let before = cache.data().to_vec();
+    let mut out = vec![O::from_f32(0.0); m * q_dim];
+    let args = QkvRaggedArgs {
+        hidden_state: &x,
+        input_row_offsets: &offs,
+        weight: &w,
+        hidden_size: k,
+        bias: Some(&bias),
+        q_dim,
+        rope: None,
+    };
+    let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&pg.lookup, pg.cols, &pg.cache_lengths).unwrap(), 0);
+    qkv_ragged(&args, &mut out, &mut kv, mode).unwrap();
+    // bf16 products are exact in f32, so Sequential's FMA chain is the multiply-then-add chain:
+    // its product is the f32 sum in order; Exact's the exact sum.
+    let product = |row: usize, j: usize, with_bias: bool| -> f64 {
+        let (xr, wr) = (&x[row * k..(row + 1) * k], &w[j * k..(j + 1) * k]);
+        match mode {
+            Accumulation::Exact => {
+                let s = exact_dot(xr, wr, with_bias.then_some(bias[j]));
+                round_scaled(s, -100, 53)
+            }
+            Accumulation::Sequential => {
+                let mut acc = 0f32;
+                for (a, b) in xr.iter().zip(wr) {
+                    acc += a.to_f32() * b.to_f32();
+                }
+                (if with_bias { acc + bias[j].to_f32() } else { acc }) as f64
+            }
+        }
+    };
+    fn step<D: Element>(p: f64, b: f32, summed: f64) -> D {
+        if D::DTYPE == paged_qkv::DType::F8E4M3 {
+            return D::from_f64(summed);
+        }
+        D::from_f32(D::from_f64(p).to_f32() + b)
+    }
+    let mut written = Vec::new();
+    let mut row = 0;
+    for (b, &l) in lens.iter().enumerate() {
+        for t in 0..l {
+            for j in 0..n {
+                let (p, summed) = (product(row, j, false), product(row, j, true));
+                if j < q_dim {
+                    let want: O = step(p, bias[j].to_f32(), summed);
+                    assert_eq!(out[row * q_dim + j].to_bits(), want.to_bits(), "{mode:?} Q ({row}, {j})");
+                } else {
+                    let want: C = step(p, bias[j].to_f32(), summed);
+                    let pos = cl[b] as usize + t;
+                    let block = pg.lookup[b * pg.cols + pos / page] as usize;
+                    let jj = j - q_dim;
+                    let (sel, h, d) = if jj < hd { (0, 0, jj) } else { (1, 0, jj - hd) };
+                    written.push(((block, sel, 0, pos % page, h, d), want));
+                }
+            }
+            row += 1;
+        }
+    }
+    assert_cache_writes(shape, &before, cache.data(), &written);
+}
+
+#[test]
+fn bias_rounds_like_max() {
+    for mode in [Accumulation::Exact, Accumulation::Sequential] {
+        check_bias_rounding::<bf16, bf16>(mode);
+        check_bias_rounding::<f16, f16>(mode);
+        check_bias_rounding::<bf16, paged_qkv::E4M3>(mode);
+        check_bias_rounding::<f32, f32>(mode);
+    }
+}
+
+/// MAX's CPU f32 matmul is an FMA chain: on f32 data `Sequential` differs from the
+/// multiply-then-add chain somewhere (else the two orders would not be told apart here).
+#[test]
+fn sequential_f32_is_an_fma_chain() {
+    let mut rng = Rng::new(24);
+    let k = 64;
+    let (q_dim, n) = (8, 16);
+    let x: Vec<f32> = (0..k).map(|_| rng.normal()).collect();
+    let w: Vec<f32> = (0..n * k).map(|_| rng.normal()).collect();
+    let shape = CacheShape::mha(4, 1, 4, 1, 4).unwrap();
+    let mut cache: PagedKvCache<f32> = PagedKvCache::zeros(shape);
+    let mut out = vec![0f32; q_dim];
+    let args = QkvRaggedArgs {
+        hidden_state: &x,
+        input_row_offsets: &[0, 1],
+        weight: &w,
+        hidden_size: k,
+        bias: None,
+        q_dim,
+        rope: None,
+    };
+    let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0], 1, &[0]).unwrap(), 0);
+    qkv_ragged(&args, &mut out, &mut kv, Accumulation::Sequential).unwrap();
+    let mut differs = 0;
+    for (j, &o) in out.iter().enumerate() {
+        let (mut fma, mut mul_add) = (0f32, 0f32);
+        for (a, b) in x.iter().zip(&w[j * k..(j + 1) * k]) {
+            fma = a.mul_add(*b, fma);
+            mul_add += a * b;
+        }
+        assert_eq!(o.to_bits(), fma.to_bits(), "column {j}");
+        differs += (fma != mul_add) as usize;
+    }
+    assert!(differs > 0, "no column tells the orders apart");
 }

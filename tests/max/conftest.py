@@ -1,0 +1,6 @@
+"""The MAX conformance suite imports its graph helpers (`max_graphs`) from this directory."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
