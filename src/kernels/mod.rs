@@ -12,7 +12,9 @@
 //! * `schedule`: head-aligned column panels, row tiles, tasks on rayon.
 //! * `epilogue`: destinations (a plain matrix, or Q/K/V routed into the paged cache), rounding
 //!   once, per-head transforms.
-//! * `scatter`: the parallel disjoint writes (the only unsafe outside `crate::simd`).
+//! * `scatter`: the parallel disjoint writes (`SharedMut`). With `epilogue`, `schedule` and `rope`
+//!   (which write through it under their SAFETY arguments), the only unsafe code outside
+//!   `crate::simd`.
 //!
 //! No `[M, N]` intermediate exists.
 
