@@ -12,6 +12,7 @@
 //! * `case` (feature `case`, on by default): case files for checking GPU kernels.
 #![deny(unsafe_code)] // allowed only in `simd` (kernels) and `kernels::{scatter, epilogue, schedule, rope}` (parallel writes)
 #![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
 
 pub mod cache;

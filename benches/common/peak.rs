@@ -128,12 +128,17 @@ mod x86 {
 /// The loops this CPU can run.
 #[cfg(target_arch = "x86_64")]
 pub fn loops() -> Vec<Peak> {
-    // SAFETY (each closure): `available` is checked before a loop runs (see `run`).
+    // Each loop runs only after `available` found its features (the filter below, and `run`).
     let all: [Peak; 5] = [
+        // SAFETY: AVX-512 F checked (above).
         ("fma_zmm", &["avx512f"], 32, || unsafe { x86::fma_zmm() }),
+        // SAFETY: AVX2 and FMA checked (above).
         ("fma_ymm", &["avx2", "fma"], 16, || unsafe { x86::fma_ymm() }),
+        // SAFETY: AVX-512 F and BF16 checked (above).
         ("vdpbf16ps_zmm", &["avx512f", "avx512bf16"], 64, || unsafe { x86::dpbf16() }),
+        // SAFETY: AVX-512 F, BW and VNNI checked (above).
         ("vpdpbusd_zmm", &["avx512f", "avx512bw", "avx512vnni"], 128, || unsafe { x86::dpbusd_zmm() }),
+        // SAFETY: AVX2 checked (above).
         ("maddubs_ymm", &["avx2"], 64, || unsafe { x86::maddubs_ymm() }),
     ];
     all.into_iter().filter(|p| p.1.iter().all(|f| available(f))).collect()
@@ -195,9 +200,11 @@ pub const SHORT_ITERS: usize = 1 << 10;
 /// lanes per instruction and the loop; `None` where that gives none.
 #[cfg(target_arch = "x86_64")]
 pub fn fma_short(isa: paged_qkv::Isa) -> Option<(usize, fn() -> f32)> {
-    // SAFETY (each closure): `for_isa` found the loop among `loops()`, which checked its features.
+    // `for_isa` found the loop among `loops()`, which checked its features.
     match for_isa(isa, Unit::Fma)?.0 {
+        // SAFETY: AVX-512 F checked by `loops()`.
         "fma_zmm" => Some((16, || unsafe { x86::fma_zmm_n::<SHORT_ITERS>() })),
+        // SAFETY: AVX2 and FMA checked by `loops()`.
         "fma_ymm" => Some((8, || unsafe { x86::fma_ymm_n::<SHORT_ITERS>() })),
         _ => None,
     }

@@ -204,8 +204,8 @@ fn cpu_family() -> u32 {
     *FAMILY.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            // SAFETY: CPUID leaf 1 exists on every x86-64 CPU; it only reads identification registers.
             #[allow(unused_unsafe)] // `__cpuid` is safe in newer Rust, unsafe in 1.89 (the MSRV)
+            // SAFETY: CPUID leaf 1 exists on every x86-64 CPU; it only reads identification registers.
             let eax = unsafe { std::arch::x86_64::__cpuid(1) }.eax;
             let base = (eax >> 8) & 0xF;
             if base == 0xF { base + ((eax >> 20) & 0xFF) } else { base }
@@ -221,8 +221,8 @@ fn is_amd() -> bool {
     *AMD.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            // SAFETY: CPUID leaf 0 exists on every x86-64 CPU; it only reads identification registers.
             #[allow(unused_unsafe)] // `__cpuid` is safe in newer Rust, unsafe in 1.89 (the MSRV)
+            // SAFETY: CPUID leaf 0 exists on every x86-64 CPU; it only reads identification registers.
             let v = unsafe { std::arch::x86_64::__cpuid(0) };
             // "AuthenticAMD": ebx "Auth", edx "enti", ecx "cAMD".
             v.ebx == u32::from_le_bytes(*b"Auth") && v.edx == u32::from_le_bytes(*b"enti")

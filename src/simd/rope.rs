@@ -297,7 +297,8 @@ pub(crate) fn convert<T: Element, C: Element>(token: IsaToken, src: &[T], dst: &
 
 /// `dst[i] = T::from_f32(src[i].to_f32())` for a 16-bit type `T`: a copy, NaNs made quiet.
 fn copy16<T: Element>(token: IsaToken, src: &[T], dst: &mut [T]) {
-    assert!(src.len() == dst.len() && matches!(T::DTYPE, DType::BF16 | DType::F16));
+    // The 16-bit casts below rest on this (`Element` is sealed: its bf16/f16 are 2-byte types).
+    assert!(src.len() == dst.len() && matches!(T::DTYPE, DType::BF16 | DType::F16) && size_of::<T>() == 2);
     let (from, to, n, bf16) =
         (src.as_ptr().cast::<u16>(), dst.as_mut_ptr().cast::<u16>(), src.len(), T::DTYPE == DType::BF16);
     #[cfg(target_arch = "x86_64")]
@@ -331,6 +332,7 @@ pub(crate) fn widen<T: Element>(token: IsaToken, src: &[T], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len());
     #[cfg(target_arch = "x86_64")]
     if matches!(token.0, Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16) && matches!(T::DTYPE, DType::BF16 | DType::F16) {
+        assert_eq!(size_of::<T>(), 2); // the cast's premise (a sealed 16-bit Element)
         // SAFETY: the token proves AVX2 and F16C were detected; T is a 16-bit type (checked), so
         // `src` is `src.len()` u16 values; the lengths are equal (asserted).
         unsafe { super::x86::rope::widen16(src.as_ptr().cast(), dst, T::DTYPE == DType::BF16) };
@@ -338,6 +340,7 @@ pub(crate) fn widen<T: Element>(token: IsaToken, src: &[T], dst: &mut [f32]) {
     }
     #[cfg(target_arch = "aarch64")]
     if matches!(token.0, Isa::Neon | Isa::NeonDotprod | Isa::NeonI8mm) && matches!(T::DTYPE, DType::BF16 | DType::F16) {
+        assert_eq!(size_of::<T>(), 2); // the cast's premise (a sealed 16-bit Element)
         // SAFETY: the token proves NEON was detected; T is a 16-bit type (checked), so `src` is
         // `src.len()` u16 values; the lengths are equal (asserted).
         unsafe { super::neon::rope::widen16(src.as_ptr().cast(), dst, T::DTYPE == DType::BF16) };
@@ -354,6 +357,7 @@ pub(crate) fn narrow<T: Element>(token: IsaToken, src: &[f32], dst: &mut [T]) {
     assert_eq!(src.len(), dst.len());
     #[cfg(target_arch = "x86_64")]
     if matches!(token.0, Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16) && matches!(T::DTYPE, DType::BF16 | DType::F16) {
+        assert_eq!(size_of::<T>(), 2); // the cast's premise (a sealed 16-bit Element)
         let (d, bf16) = (dst.as_mut_ptr().cast(), T::DTYPE == DType::BF16);
         // SAFETY: the token proves AVX2, FMA and F16C were detected (and AVX-512 F and BW for
         // the AVX-512 levels); T is a 16-bit type (checked), so `dst` is `dst.len()` u16 values;
@@ -368,6 +372,7 @@ pub(crate) fn narrow<T: Element>(token: IsaToken, src: &[f32], dst: &mut [T]) {
     }
     #[cfg(target_arch = "aarch64")]
     if matches!(token.0, Isa::Neon | Isa::NeonDotprod | Isa::NeonI8mm) && matches!(T::DTYPE, DType::BF16 | DType::F16) {
+        assert_eq!(size_of::<T>(), 2); // the cast's premise (a sealed 16-bit Element)
         // SAFETY: the token proves NEON was detected; T is a 16-bit type (checked), so `dst` is
         // `dst.len()` u16 values; the lengths are equal (asserted).
         unsafe { super::neon::rope::narrow16(src, dst.as_mut_ptr().cast(), T::DTYPE == DType::BF16) };

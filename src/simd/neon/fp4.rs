@@ -30,7 +30,7 @@ unsafe fn read_u32(p: &[i8], i: usize) -> u32 {
 /// (see `scale_product`): exact, as in every kernel.
 #[inline(always)]
 fn block_scale(kind: ScaleKind, sb: uint32x4_t, sc: u32) -> float32x4_t {
-    // SAFETY (each intrinsic): NEON is part of the aarch64 baseline.
+    // SAFETY: (each intrinsic) NEON is part of the aarch64 baseline.
     unsafe {
         match kind {
             ScaleKind::E5m3 => vmulq_f32(vreinterpretq_f32_u32(vshlq_n_u32::<20>(sb)), vdupq_n_f32(f32::from_bits(sc))),

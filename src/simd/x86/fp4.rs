@@ -168,9 +168,10 @@ macro_rules! avx512_fp4_kernels {
             let mut acc = [_mm512_setzero_ps(); R];
             for kb in 0..g.kb {
                 // Each chain starts at −12·Σa (the offset correction), saving a subtraction per row.
-                // SAFETY: `check` proved corr[r] holds kb_total > kb values.
-                let mut i32acc: [__m512i; R] =
-                    std::array::from_fn(|r| _mm512_set1_epi32(-unsafe { get(rows.corr[r], kb) }));
+                let mut i32acc: [__m512i; R] = std::array::from_fn(|r| {
+                    // SAFETY: `check` proved corr[r] holds kb_total > kb values.
+                    _mm512_set1_epi32(-unsafe { get(rows.corr[r], kb) })
+                });
                 for p in 0..g.pairs {
                     let off = (kb * g.pairs + p) * 64;
                     if pf {
@@ -252,9 +253,10 @@ macro_rules! avx512_fp4_kernels {
             }
             let mut acc = [[_mm512_setzero_ps(); G]; R];
             for kb in 0..kbs {
-                // SAFETY: `check` proved corr[r] and sc[r] hold kb_total > kb values.
                 let (corr, sc): ([i32; R], [u32; R]) = (
+                    // SAFETY: `check` proved corr[r] holds kb_total > kb values.
                     std::array::from_fn(|r| unsafe { get(rows.corr[r], kb) }),
+                    // SAFETY: `check` proved sc[r] holds kb_total > kb values.
                     std::array::from_fn(|r| unsafe { get(rows.sc[r], kb) }),
                 );
                 let mut i32acc: [[__m512i; G]; R] = std::array::from_fn(|r| [_mm512_set1_epi32(-corr[r]); G]);

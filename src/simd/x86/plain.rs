@@ -283,7 +283,7 @@ unsafe fn micro512<const R: usize, const K: u8>(
             prefetch(q1);
         }
         ahead.step(p, wpp(K));
-        // SAFETY (whole block): q0/q1 point at pair p of their groups, ap at pair p of the packed
+        // SAFETY: (the whole block) q0/q1 point at pair p of their groups, ap at pair p of the packed
         // block (the contract).
         unsafe {
             let (o0, o1, e0, e1) = match K {
@@ -649,7 +649,7 @@ unsafe fn micro256<const R: usize, const K: u8>(
         if R <= STREAM_ROWS && pf {
             prefetch(q);
         }
-        // SAFETY (whole block): q points at pair p of the group, ap at pair p of the packed block.
+        // SAFETY: (the whole block) q points at pair p of the group, ap at pair p of the packed block.
         unsafe {
             // The odd element of the pair, then the even one (loaded again: 12 accumulators leave
             // room for only two live weight vectors).

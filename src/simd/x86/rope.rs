@@ -559,6 +559,7 @@ unsafe fn store_interleaved(p: *mut u8, r: __m512i) {
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
 unsafe fn join_bf16_with<const CVT: bool, const ACC: bool>(p: *mut u8, e: __m512, o: __m512, acc: &mut __m512i) {
+    debug_assert!(!CVT || std::arch::is_x86_feature_detected!("avx512bf16"), "a CVT kernel without AVX-512 BF16");
     // SAFETY: the caller's contract is the chosen join's.
     unsafe {
         match (CVT, ACC) {
