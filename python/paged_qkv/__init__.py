@@ -35,6 +35,7 @@ import numpy as np
 
 from . import _native
 from ._native import PackedWeight, pack_weight
+from ._report import Report
 
 try:  # optional: numpy dtypes for bf16 and FP8
     import ml_dtypes as _ml
@@ -182,28 +183,6 @@ def make_case(op: str, model: str = "tiny", batch: int = 3, seed: int = 0, forma
     """A realistic random case, as ``paged-qkv make-case`` writes it."""
     op_, meta, tensors = _native.make_case(op, model, batch, seed, format)
     return Case(op_, {name: _from_wire(d, s, b) for (name, d, s, b) in tensors}, meta)
-
-
-class Report:
-    """The verdict of :func:`check`: the same report as ``paged-qkv check``."""
-
-    def __init__(self, passed: bool, text: str):
-        self.passed = passed
-        self.text = text
-
-    def assert_ok(self) -> None:
-        """Raises ``AssertionError`` with the report as its message unless the check passed."""
-        if not self.passed:
-            raise AssertionError(self.text)
-
-    def __bool__(self) -> bool:
-        return self.passed
-
-    def __str__(self) -> str:
-        return self.text
-
-    def __repr__(self) -> str:
-        return f"Report(passed={self.passed})"
 
 
 def check(

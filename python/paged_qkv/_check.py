@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 import numpy as np
 
 from . import _native
+from ._report import Report
 
 ULP_BUCKETS = (0, 1, 2, 4, 8, 16, 256)
 _RAGGED = ("qkv_fp4_ragged", "qkv_ragged", "rope_ragged", "kv_store_ragged")
@@ -72,10 +73,11 @@ class TensorCheck:
         )
 
 
-class OpReport:
+class OpReport(Report):
     """The verdict of :func:`check_op`: ``passed``, per tensor a :class:`TensorCheck`
     (``report.tensors["kv_blocks"]``), ``hints`` (patterns recognised in the failures: K/V
-    swapped, slots shifted by one, a constant factor) and ``text`` (the command line's format)."""
+    swapped, slots shifted by one, a constant factor) and ``text`` (the command line's format);
+    ``assert_ok()``, ``bool()`` and ``str()`` as :class:`Report`'s."""
 
     def __init__(self, op: str, mode: str, tensors: Dict[str, TensorCheck], hints: List[str], tol: Tuple[float, float, int], padded_q: str):
         self.op = op
@@ -83,18 +85,7 @@ class OpReport:
         self.tensors = tensors
         self.hints = hints
         self.passed = all(t.passed for t in tensors.values())
-        self.text = _text(self, tol, padded_q)
-
-    def assert_ok(self) -> None:
-        """Raises ``AssertionError`` with the report as its message unless the check passed."""
-        if not self.passed:
-            raise AssertionError(self.text)
-
-    def __bool__(self) -> bool:
-        return self.passed
-
-    def __str__(self) -> str:
-        return self.text
+        super().__init__(self.passed, _text(self, tol, padded_q))
 
     def __repr__(self) -> str:
         return f"OpReport(op={self.op!r}, passed={self.passed})"

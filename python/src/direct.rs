@@ -1092,33 +1092,9 @@ pub fn kv_store_ragged<'py>(
     threads: Option<usize>,
     repeat: usize,
 ) -> PyResult<()> {
-    let mode = mode_of(mode)?;
-    let which = which_of(cache)?;
     let c = CacheIn::new(kv_blocks, cache_lengths, kv_lookup_table, layer_idx)?;
-    let v = Arg::new(values, "values", false)?;
-    let vt = float_of(&v, false)?;
-    v.rank(3, "[M, num_kv_heads, head_size] (values)")?;
-    let offs = Arg::new(input_row_offsets, "input_row_offsets", false)?;
-    offs.rank(1, "[batch + 1] (input_row_offsets)")?;
-    let mut descs: Vec<(&Desc, bool)> = c.descs().to_vec();
-    descs.extend([(v.d(), false), (offs.d(), false)]);
-    let call = Call::new(descs)?;
-    let (cd, vd, offd, kvf) = (CacheD::of(&c), v.d(), offs.d(), c.kvf);
-    run(py, &call, threads, repeat, |exec, h| {
-        with_float_type!(vt, T => with_cache_type!(kvf, C => {
-            let (vm, offm) = (h.read(vd), h.read(offd));
-            let vs = vm.slice::<T>();
-            let offsets = indices(&offm)?;
-            with_kv::<C, _>(cd, h, |kv| {
-                let args = KvStoreRaggedArgs { values: vs, input_row_offsets: &offsets, which };
-                match mode {
-                    Mode::Fast => fast::kv_store_ragged(&args, kv, exec),
-                    _ => reference::kv_store_ragged(&args, kv),
-                }
-                .map_err(fail)
-            })
-        }))
-    })
+    let rows = Arg::new(input_row_offsets, "input_row_offsets", false)?;
+    kv_store(py, values, rows, c, cache, mode, threads, repeat)
 }
 
 /// MAX's `kv_cache_store_padded` (see the Python docstring).
@@ -1138,28 +1114,58 @@ pub fn kv_store_bshd<'py>(
     threads: Option<usize>,
     repeat: usize,
 ) -> PyResult<()> {
+    let c = CacheIn::new(kv_blocks, cache_lengths, kv_lookup_table, layer_idx)?;
+    let rows = Arg::new(valid_lengths, "valid_lengths", false)?;
+    kv_store(py, values, rows, c, cache, mode, threads, repeat)
+}
+
+/// Both KV stores: `rows` is `input_row_offsets` (ragged `values [M, H, D]`) or `valid_lengths`
+/// (padded `values [batch, seq_len, H, D]`), told apart by its name.
+#[allow(clippy::too_many_arguments)]
+fn kv_store<'py>(
+    py: Python<'py>,
+    values: &Bound<'py, PyAny>,
+    rows: Arg<'py>,
+    c: CacheIn<'py>,
+    cache: &str,
+    mode: &str,
+    threads: Option<usize>,
+    repeat: usize,
+) -> PyResult<()> {
     let mode = mode_of(mode)?;
     let which = which_of(cache)?;
-    let c = CacheIn::new(kv_blocks, cache_lengths, kv_lookup_table, layer_idx)?;
+    let ragged = rows.name == "input_row_offsets";
     let v = Arg::new(values, "values", false)?;
     let vt = float_of(&v, false)?;
-    let vs = v.rank(4, "[batch, seq_len, num_kv_heads, head_size] (values)")?.to_vec();
-    let valid = Arg::new(valid_lengths, "valid_lengths", false)?;
-    valid.rank(1, "[batch] (valid_lengths)")?;
+    let vs = if ragged {
+        rows.rank(1, "[batch + 1] (input_row_offsets)")?;
+        v.rank(3, "[M, num_kv_heads, head_size] (values)")?.to_vec()
+    } else {
+        rows.rank(1, "[batch] (valid_lengths)")?;
+        v.rank(4, "[batch, seq_len, num_kv_heads, head_size] (values)")?.to_vec()
+    };
     let mut descs: Vec<(&Desc, bool)> = c.descs().to_vec();
-    descs.extend([(v.d(), false), (valid.d(), false)]);
+    descs.extend([(v.d(), false), (rows.d(), false)]);
     let call = Call::new(descs)?;
-    let (cd, vd, vld, kvf) = (CacheD::of(&c), v.d(), valid.d(), c.kvf);
+    let (cd, vd, rd, kvf) = (CacheD::of(&c), v.d(), rows.d(), c.kvf);
     run(py, &call, threads, repeat, |exec, h| {
         with_float_type!(vt, T => with_cache_type!(kvf, C => {
-            let (vm, vlm) = (h.read(vd), h.read(vld));
+            let (vm, rm) = (h.read(vd), h.read(rd));
             let values = vm.slice::<T>();
-            let valid = indices(&vlm)?;
+            let idx = indices(&rm)?;
             with_kv::<C, _>(cd, h, |kv| {
-                let args = KvStoreBshdArgs { values, batch: vs[0], seq_len: vs[1], valid_lengths: &valid, which };
-                match mode {
-                    Mode::Fast => fast::kv_store_bshd(&args, kv, exec),
-                    _ => reference::kv_store_bshd(&args, kv),
+                if ragged {
+                    let args = KvStoreRaggedArgs { values, input_row_offsets: &idx, which };
+                    match mode {
+                        Mode::Fast => fast::kv_store_ragged(&args, kv, exec),
+                        _ => reference::kv_store_ragged(&args, kv),
+                    }
+                } else {
+                    let args = KvStoreBshdArgs { values, batch: vs[0], seq_len: vs[1], valid_lengths: &idx, which };
+                    match mode {
+                        Mode::Fast => fast::kv_store_bshd(&args, kv, exec),
+                        _ => reference::kv_store_bshd(&args, kv),
+                    }
                 }
                 .map_err(fail)
             })
