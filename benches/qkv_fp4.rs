@@ -1,6 +1,7 @@
 //! Fast FP4 fused QKV: throughput against baselines measured in the same run.
 //!
-//! `cargo bench --bench qkv_fp4` (filter with e.g. `-- llama/m1`). Group names say what one
+//! `cargo bench --bench qkv_fp4` (filter with e.g. `-- llama/m1`; the activation quantizer alone:
+//! `-- quantize/`). Group names say what one
 //! "element" is: `flop` groups count 2·M·N·K FLOP, `bytes` groups count weight + scale bytes.
 //!
 //! Baselines: the `gemm` crate's f32 GEMM on the same (M, N, K) with pre-dequantized operands;
@@ -372,5 +373,30 @@ fn peaks(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, peaks, decode, compute);
+/// Quantizing a decode call's activations (what an NVFP4/MX server does before every call):
+/// elements per second of `quantize` from f32 and bf16, for each model's K and M = 1, 8, 64. One
+/// thread (the quantizer runs on the calling thread).
+fn quantizer(c: &mut Criterion) {
+    for model in [LLAMA, QWEN] {
+        let k = model.k;
+        for m in [1usize, 8, 64] {
+            let x = random(m * k, 9 + m as u64);
+            let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+            let mut g = setup_group(c, &format!("quantize/{}/m{m}/elements", model.name));
+            g.throughput(Throughput::Elements((m * k) as u64));
+            for f in [BlockFormat::Nvfp4, BlockFormat::Mxfp4, BlockFormat::Mxfp8] {
+                let gs = nvfp4_global_scale(amax(&x));
+                g.bench_function(format!("{}/f32", f.name()), |b| {
+                    b.iter(|| black_box(quantize(f, black_box(&x), m, k, gs).unwrap()))
+                });
+                g.bench_function(format!("{}/bf16", f.name()), |b| {
+                    b.iter(|| black_box(quantize(f, black_box(&xb), m, k, gs).unwrap()))
+                });
+            }
+            g.finish();
+        }
+    }
+}
+
+criterion_group!(benches, peaks, decode, compute, quantizer);
 criterion_main!(benches);

@@ -14,7 +14,7 @@ use paged_qkv::fast::{self, PackedWeights, QkvFp4PackedArgs};
 use paged_qkv::formats::quantize::{amax, nvfp4_global_scale, quantize};
 use paged_qkv::ops::{Freqs, QkvRope};
 use paged_qkv::{
-    Accumulation, BlockFormat, CacheShape, Exec, KvWrite, PageTable, PagedKvCache, QkvFp4Args, RopeMath, bf16,
+    Accumulation, BlockFormat, CacheShape, Exec, KvWrite, PageTable, PagedKvCache, QkvFp4Args, RopeMath, Workers, bf16,
     reference,
 };
 use std::time::Instant;
@@ -39,6 +39,9 @@ fn main() -> paged_qkv::Result<()> {
     let w = random(n * k, 0.1);
     let wq = quantize(BlockFormat::Nvfp4, &w, n, k, nvfp4_global_scale(amax(&w)))?;
     let weight = PackedWeights::new(wq.as_ref()); // remembers wq.tensor_scale()
+    // The threads every step runs on: a team that stays awake between a step's calls.
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let exec = Exec::on(Workers::shared(threads).expect("could not start the worker threads"));
     let freqs = paged_qkv::freqs_cis(4096, hd, 1e6);
     let rope = QkvRope {
         freqs_cis: Freqs::F32(&freqs),
@@ -85,7 +88,7 @@ fn main() -> paged_qkv::Result<()> {
         let table = PageTable::new(&lookup, cols, &cache_lengths)?;
         let mut kv = KvWrite::new(cache.view_mut(), table, 0);
         let args = QkvFp4PackedArgs { rope: Some(rope), ..QkvFp4PackedArgs::new(a.as_ref(), &offsets, &weight, q_dim) };
-        fast::qkv_fp4_ragged_packed(&args, &mut q, &mut kv, Exec::default())?;
+        fast::qkv_fp4_ragged_packed(&args, &mut q, &mut kv, exec)?;
 
         // Now and then: the same step through the oracle (exact accumulation), the largest
         // difference of the rotated Q in bf16 ULPs.

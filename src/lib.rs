@@ -10,7 +10,8 @@
 //! * [`ops`]: argument types, accumulation / rounding modes, the RoPE table builder.
 //! * [`semantics`]: what each operation computes (the repository's `docs/semantics.md`).
 //! * `case` (feature `case`, on by default): case files for checking GPU kernels.
-#![deny(unsafe_code)] // allowed only in `simd` (kernels) and `kernels::{scatter, epilogue, schedule, rope}` (parallel writes)
+#![deny(unsafe_code)]
+// allowed only in `simd` (kernels), `kernels::{scatter, epilogue, schedule, rope}` (parallel writes) and `workers` (the job hand-off)
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
@@ -29,11 +30,12 @@ pub mod reference;
 pub mod semantics {}
 mod pool;
 mod simd;
+mod workers;
 
 pub use cache::{CacheShape, KvSel, KvWrite, PageTable, PagedKvCache, PagedKvCacheMut};
 pub use element::{DType, Element};
 pub use error::{Error, Expected, Result, TokenRef};
-pub use fast::{Exec, Isa, Par, QkvBshdPackedArgs, QkvFp4PackedArgs, QkvRaggedPackedArgs};
+pub use fast::{Exec, Isa, Par, QkvBshdPackedArgs, QkvFp4PackedArgs, QkvRaggedPackedArgs, Workers};
 pub use formats::fp8::E4M3;
 pub use formats::{BlockFormat, QuantizedMatrix, QuantizedRef};
 pub use half::{bf16, f16};

@@ -69,7 +69,7 @@ fn scalar() -> Exec {
 fn all_isas(f: impl Fn(Exec) -> Run) -> Run {
     let base = f(scalar());
     for isa in Isa::available() {
-        for par in [Par::Sequential, Par::Rayon] {
+        for par in [Par::Sequential, Par::Rayon, Par::Workers(paged_qkv::Workers::shared(3).unwrap())] {
             let got = f(Exec { par, isa: Some(isa) });
             match (&got, &base) {
                 (Ok(g), Ok(b)) if isa != Isa::Avx512Bf16 => assert_eq!(g, b, "{isa:?} differs from scalar"),

@@ -22,7 +22,7 @@ are copied; ``kv_blocks`` and ``out`` must be C-contiguous and writeable. The GI
 a kernel runs (two threads writing disjoint caches run side by side; calls that write memory
 another call uses wait for it). ``mode`` is ``"exact"`` (the oracle, exact accumulation),
 ``"sequential"`` (MAX's CPU order: an f32 FMA chain) or ``"fast"`` (the SIMD kernels); RoPE's
-rounding is its own argument (``rope_math``, MAX's by default), the same bits in every mode. ``threads`` picks a pool of that many threads (built once per size and kept);
+rounding is its own argument (``rope_math``, MAX's by default), the same bits in every mode. ``threads`` picks a team of that many threads (a ``Workers`` team, built once per size and kept; its threads spin briefly after each call, then park);
 ``threads=1`` runs on the calling thread; ``None`` uses all cores.
 """
 

@@ -14,7 +14,7 @@ use paged_qkv::fast::{self, QkvBshdPackedArgs, QkvFp4PackedArgs, QkvRaggedPacked
 use paged_qkv::ops::{Freqs, QkvRope};
 use paged_qkv::{
     Accumulation, BlockFormat, CacheShape, E4M3, Exec, KvSel, KvStoreBshdArgs, KvStoreRaggedArgs, KvWrite, PageTable,
-    PagedKvCacheMut, Par, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, QuantizedRef, RopeBshdArgs, RopeMath, RopeRaggedArgs,
+    PagedKvCacheMut, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, QuantizedRef, RopeBshdArgs, RopeMath, RopeRaggedArgs,
     bf16, f16, reference,
 };
 use pyo3::exceptions::PyValueError;
@@ -80,7 +80,7 @@ pub fn last_times() -> Vec<f64> {
 }
 
 /// Releases the GIL, claims the call's memory, and runs `f` (`repeat` times, timing each) on
-/// the pool of `threads`, with a fresh [`Held`] per pass to make its slices.
+/// the team of `threads`, with a fresh [`Held`] per pass to make its slices.
 pub fn run<'a, R: Send>(
     py: Python<'_>,
     call: &Call<'a>,
@@ -88,19 +88,12 @@ pub fn run<'a, R: Send>(
     repeat: usize,
     f: impl Fn(Exec, &Held<'_, 'a>) -> PyResult<R> + Send + Sync,
 ) -> PyResult<R> {
-    let pool = pools::get(threads)?;
+    let exec = pools::exec(threads)?;
     if repeat == 0 {
         return Err(PyValueError::new_err("repeat: must be at least 1"));
     }
     call.claimed(py, |c| {
-        let exec = Exec { par: if threads == Some(1) { Par::Sequential } else { Par::Rayon }, isa: None };
-        let mut once = || {
-            let h = c.held();
-            match &pool {
-                Some(p) => p.install(|| f(exec, &h)),
-                None => f(exec, &h),
-            }
-        };
+        let mut once = || f(exec, &c.held());
         if repeat == 1 {
             return once();
         }

@@ -25,10 +25,10 @@ mod packed;
 mod pools;
 
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
+use paged_qkv::Isa;
 use paged_qkv::case::{self, Case, Dtype, Mode, Op, Tensor, Tolerance};
 use paged_qkv::formats::scale_layout::ScaleLayout;
 use paged_qkv::formats::{BlockFormat, QuantizedRef, quantize as q};
-use paged_qkv::{Exec, Isa, Par};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use std::collections::BTreeMap;
@@ -89,23 +89,8 @@ fn run_case<'py>(
 ) -> PyResult<Vec<Wire<'py>>> {
     let c = case_in(op, meta, tensors)?;
     let m = mode(mode_name)?;
-    if threads == Some(0) {
-        return Err(err("threads: must be at least 1"));
-    }
-    let (out, kv) = py
-        .detach(|| -> Result<_, String> {
-            let pool = match threads {
-                Some(n) => Some(rayon::ThreadPoolBuilder::new().num_threads(n).build().map_err(|e| e.to_string())?),
-                None => None,
-            };
-            let exec = Exec { par: if threads == Some(1) { Par::Sequential } else { Par::Rayon }, isa: None };
-            let run = || c.run(m, exec).map_err(|e| e.to_string());
-            match pool {
-                Some(p) => p.install(run),
-                None => run(),
-            }
-        })
-        .map_err(err)?;
+    let exec = pools::exec(threads)?;
+    let (out, kv) = py.detach(|| c.run(m, exec).map_err(|e| e.to_string())).map_err(err)?;
     let mut res: Vec<(String, Tensor)> = Vec::new();
     if let Some(o) = out {
         res.push(("output".into(), o));

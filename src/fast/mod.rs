@@ -55,6 +55,7 @@ use crate::kernels::operands::{Fp4Operands, PlainOperands};
 use crate::kernels::pack::{Fp4Acts, PlainActs};
 use crate::kernels::rope::{Bases, Planned, RopeSpec, RowSlots, Seqs, rope_rows, slot_bases, store_rows};
 use crate::kernels::schedule::{Panels, run};
+use crate::kernels::team::Team;
 pub use crate::kernels::{PackedPlainWeights, PackedWeights};
 use crate::ops::{
     KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, QkvRope, RopeBshdArgs, RopeMath,
@@ -64,15 +65,20 @@ use crate::ops::{
 };
 pub use crate::simd::Isa;
 use crate::simd::IsaToken;
+pub use crate::workers::Workers;
 
 /// Where the work runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub enum Par {
     /// On the calling thread.
     Sequential,
     /// On the current rayon pool (the global one, or the pool of an enclosing `pool.install`).
     #[default]
     Rayon,
+    /// On a long-lived [`Workers`] team: the server's choice for decode steps, whose calls are
+    /// too short to pay rayon's wake-ups (docs/performance.md, "Per-call cost").
+    Workers(&'static Workers),
 }
 
 /// The execution argument of every fast entry point.
@@ -93,8 +99,16 @@ impl Exec {
     pub fn with_isa(self, isa: Isa) -> Self {
         Exec { isa: Some(isa), ..self }
     }
-    fn parallel(self) -> bool {
-        self.par == Par::Rayon
+    /// Every thread of `workers`, best ISA.
+    pub fn on(workers: &'static Workers) -> Self {
+        Exec { par: Par::Workers(workers), isa: None }
+    }
+    fn team(self) -> Team {
+        match self.par {
+            Par::Sequential => Team::One,
+            Par::Rayon => Team::Rayon,
+            Par::Workers(w) => Team::Workers(w),
+        }
     }
 }
 
@@ -213,7 +227,7 @@ pub fn qkv_fp4_ragged<O: Element, C: Element>(
         output.len(),
         kv,
     )?;
-    let packed = PackedWeights::pack(w, exec.parallel());
+    let packed = PackedWeights::pack(w, exec.team());
     let packed_args = QkvFp4PackedArgs {
         hidden_state: args.hidden_state,
         input_row_offsets: args.input_row_offsets,
@@ -321,8 +335,12 @@ fn run_fp4<D: Dest>(
     let src = Fp4Operands { w, a: &acts, tensor_sf };
     // At least 128 columns (two heads of Qwen2.5-0.5B's 64): measured there on one thread,
     // M = 1 17.4 → 16.2 µs and M = 512 5.77 → 5.24 ms (fewer tasks, each operand set built once).
+    // (Head-wide panels for calls of one row tile on several threads, so that two threads'
+    // shares of Qwen's tasks come out even, 18 tasks instead of 9, measured slower: 2 threads
+    // M = 1 8 → 9 µs, Zen 5, three alternating runs of `paged-qkv bench`.)
+    let team = exec.team();
     let panels = Panels::new(w.rows(), Panels::target(head).max(128), |c| dest.may_cut(c));
-    run(&src, dest, a.rows(), token, exec.parallel(), &panels);
+    run(&src, dest, a.rows(), token, team, &panels);
 }
 
 /// The same block-scaled kernels writing a plain row-major `[M, N]` matrix
@@ -395,7 +413,7 @@ pub fn qkv_ragged<T: Element, O: Element, C: Element>(
         output.len(),
         kv,
     )?;
-    let w = PackedPlainWeights::pack(args.weight, n, k, exec.parallel());
+    let w = PackedPlainWeights::pack(args.weight, n, k, exec.team());
     let pargs = QkvRaggedPackedArgs {
         hidden_state: args.hidden_state,
         input_row_offsets: args.input_row_offsets,
@@ -500,7 +518,7 @@ pub fn qkv_bshd<T: Element, O: Element, C: Element>(
         output.len(),
         kv,
     )?;
-    let w = PackedPlainWeights::pack(args.weight, n, k, exec.parallel());
+    let w = PackedPlainWeights::pack(args.weight, n, k, exec.team());
     plain_into_cache(args.hidden_state, &w, (None, args.q_dim, args.rope.as_ref()), output, kv, exec, token, &plan);
     Ok(())
 }
@@ -560,10 +578,10 @@ fn run_plain<T: Element, D: Dest>(
     token: IsaToken,
     head: usize,
 ) {
-    let acts = PlainActs::prepare(x, m, w.k(), token, w.kind, dest.kv_rows(), exec.parallel());
+    let acts = PlainActs::prepare(x, m, w.k(), token, w.kind, dest.kv_rows(), exec.team());
     let src = PlainOperands { w, a: &acts, bias, token };
     let panels = Panels::new(w.rows(), Panels::target(head), |c| dest.may_cut(c));
-    run(&src, dest, m, token, exec.parallel(), &panels);
+    run(&src, dest, m, token, exec.team(), &panels);
 }
 
 /// The bf16/f16/f32 kernels writing a plain row-major `[M, N]` matrix
@@ -640,7 +658,7 @@ pub fn rope_bshd<T: Element, C: Element>(
         q_heads: (args.num_q_heads, d),
         k_heads: (shape.num_kv_heads(), d),
     };
-    let parallel = exec.parallel();
+    let parallel = exec.team();
     // As in `rope_ragged`: no pass over the rows where none is needed.
     if let Some(slots) = rope_bshd_slots(args, output.len(), kv) {
         let slots = Seqs { slots, ids: None };
@@ -701,7 +719,7 @@ pub fn rope_ragged<T: Element, F: Element, C: Element>(
         q_heads: (args.num_q_heads, args.q_head_size),
         k_heads: (shape.num_kv_heads(), shape.head_size()),
     };
-    let parallel = exec.parallel();
+    let parallel = exec.team();
     // The usual call (no two written pages in one block, nothing invalid) needs no pass over its
     // rows before the kernels: each row finds its slot from its sequence when it is rotated.
     // Otherwise the full validation finds the error, or checks every slot and lists them.
@@ -766,5 +784,5 @@ fn store<T: Element, C: Element>(
 ) {
     let shape = kv.cache.shape();
     let v_offset = shape.index(0, which as usize, 0, 0, 0, 0);
-    store_rows(token, exec.parallel(), values, kv.cache.data_mut(), slots, (v_offset, shape.kv_width()));
+    store_rows(token, exec.team(), values, kv.cache.data_mut(), slots, (v_offset, shape.kv_width()));
 }

@@ -12,8 +12,10 @@
 //! One deliberate difference from MAX's GPU quantizer: a scale that overflows E4M3 saturates to 448
 //! (MAX's plain cast gives NaN, quirk K17).
 
-use super::fp4::{E2M1_MAX, e2m1_from_f32, pack_e2m1};
-use super::fp8::{E4M3_MAX, e4m3_from_f32, e4m3_to_f32, e8m0_from_f32_roundup, e8m0_to_f32};
+use super::fp4::E2M1_MAX;
+use super::fp8::E4M3_MAX;
+#[cfg(test)]
+use super::fp8::{e4m3_from_f32, e4m3_to_f32, e8m0_from_f32_roundup, e8m0_to_f32};
 use super::scale_layout::ScaleLayout;
 use super::{BlockFormat, QuantizedMatrix, QuantizedRef, check_len_2d};
 use crate::element::Element;
@@ -51,7 +53,10 @@ pub fn quantize<T: Element>(
     if k == 0 || (format.is_fp4() && !k.is_multiple_of(2)) {
         return Err(Error::dim("k", format!("must be at least 1 (even for packed FP4), found {k}")));
     }
-    if let Some(index) = x.iter().position(|v| !v.to_f32().is_finite()) {
+    // A pass that vectorises first; the index only when there is one to report.
+    if x.iter().fold(false, |bad, v| bad | !v.to_f32().is_finite())
+        && let Some(index) = x.iter().position(|v| !v.to_f32().is_finite())
+    {
         return Err(Error::NonFinite { arg: "x", index });
     }
     let g = if format == BlockFormat::Nvfp4 {
@@ -66,38 +71,196 @@ pub fn quantize<T: Element>(
     let layout = ScaleLayout::for_operand(rows, k, v);
     let kb_count = layout.k_blocks();
     let mut plain_scales = vec![0u8; rows * kb_count];
-    let mut codes = vec![0u8; rows * k];
+    let row_bytes = format.row_bytes(k);
+    let mut data = vec![0u8; rows * row_bytes];
+    let mut wide = Vec::new();
     for r in 0..rows {
         let row = &x[r * k..(r + 1) * k];
-        for kb in 0..kb_count {
-            let block = &row[kb * v..((kb + 1) * v).min(k)];
-            let amax = amax(block);
-            let (sf, inv) = match format {
-                BlockFormat::Nvfp4 => {
-                    let sf = e4m3_from_f32(g * amax / E2M1_MAX);
-                    let dec = e4m3_to_f32(sf);
-                    let inv = if amax == 0.0 || dec == 0.0 { 0.0 } else { 1.0 / (dec * (1.0 / g)) };
-                    (sf, inv)
+        let row = match crate::simd::rope::same_type::<T, f32>(row) {
+            Some(r) => r,
+            None => {
+                wide.clear();
+                wide.extend(row.iter().map(|e| e.to_f32()));
+                &wide[..]
+            }
+        };
+        quantize_row(
+            format,
+            row,
+            g,
+            &mut data[r * row_bytes..(r + 1) * row_bytes],
+            &mut plain_scales[r * kb_count..(r + 1) * kb_count],
+        );
+    }
+    let scales = layout.interleave(&plain_scales)?;
+    QuantizedMatrix::from_parts(format, rows, k, data, scales, 1.0 / g)
+}
+
+/// The scale byte of a block whose largest magnitude is `amax`, and the factor its elements are
+/// multiplied by before encoding (the formulas of the module docs; `g` is NVFP4's global scale).
+/// The quantizer computes it as [`block_scale_fast`] (the same bits, tested against this).
+#[cfg(test)]
+fn block_scale(format: BlockFormat, amax: f32, g: f32) -> (u8, f32) {
+    match format {
+        BlockFormat::Nvfp4 => {
+            let sf = e4m3_from_f32(g * amax / E2M1_MAX);
+            let dec = e4m3_to_f32(sf);
+            let inv = if amax == 0.0 || dec == 0.0 { 0.0 } else { 1.0 / (dec * (1.0 / g)) };
+            (sf, inv)
+        }
+        BlockFormat::Mxfp4 => {
+            let sf = e8m0_from_f32_roundup(amax / E2M1_MAX);
+            (sf, 1.0 / e8m0_to_f32(sf))
+        }
+        BlockFormat::Mxfp8 => {
+            let sf = e8m0_from_f32_roundup(amax / E4M3_MAX);
+            (sf, 1.0 / e8m0_to_f32(sf))
+        }
+    }
+}
+
+/// Quantizes one row of finite values: its codes into `data` (`format.row_bytes(k)` bytes) and
+/// its plain (row-major) block scales into `scales`, on the best ISA (see
+/// [`quantize_row_body`]).
+fn quantize_row(format: BlockFormat, row: &[f32], g: f32, data: &mut [u8], scales: &mut [u8]) {
+    crate::simd::quantize_row(crate::simd::IsaToken::best(), format, row, g, data, scales)
+}
+
+/// Most blocks of a row quantized in one batch of [`quantize_row_body`]'s passes.
+const BATCH: usize = 64;
+
+/// [`quantize_row`]'s body, compiled once per ISA (`crate::simd` calls it from a
+/// `#[target_feature]` function). Three passes over batches of blocks, each a loop the compiler
+/// vectorises: the blocks' largest magnitudes; their scales and factors (the formulas of the
+/// module docs, through [`e4m3_fast`] and bit-built decodes); the element codes through the
+/// branch-free encoders ([`e2m1_fast`], [`e4m3_fast`]: the scalar encoders' codes for every f32,
+/// tested). The same bytes as encoding element by element (tested against the formulas):
+/// measured in docs/performance.md ("Quantizing activations").
+#[inline(always)]
+pub(crate) fn quantize_row_body(format: BlockFormat, row: &[f32], g: f32, data: &mut [u8], scales: &mut [u8]) {
+    let v = format.vector_size();
+    let (mut amax, mut inv) = ([0f32; BATCH], [0f32; BATCH]);
+    for (batch, (chunk, sc)) in row.chunks(BATCH * v).zip(scales.chunks_mut(BATCH)).enumerate() {
+        let nb = sc.len();
+        for (a, block) in amax.iter_mut().zip(chunk.chunks(v)) {
+            // `>` as `maxps` computes it: the input is finite, so this is `f32::max`.
+            *a = block.iter().fold(0.0f32, |m, e| if e.abs() > m { e.abs() } else { m });
+        }
+        for ((a, s), i) in amax[..nb].iter().zip(sc.iter_mut()).zip(&mut inv) {
+            (*s, *i) = block_scale_fast(format, *a, g);
+        }
+        let first = batch * BATCH * v;
+        if format.is_fp4() {
+            // Two codes per byte, the even element in the low nibble (blocks and K are even).
+            let out = &mut data[first / 2..(first + chunk.len()) / 2];
+            for ((o, block), &i) in out.chunks_mut(v / 2).zip(chunk.chunks(v)).zip(&inv) {
+                // The block's codes first (a clean u32 → u8 vector loop), then the nibble pairs.
+                let mut codes = [0u8; 32];
+                for (c, &e) in codes.iter_mut().zip(block) {
+                    *c = e2m1_fast(e * i);
                 }
-                BlockFormat::Mxfp4 => {
-                    let sf = e8m0_from_f32_roundup(amax / E2M1_MAX);
-                    (sf, 1.0 / e8m0_to_f32(sf))
+                for (o, pair) in o.iter_mut().zip(codes.as_chunks::<2>().0) {
+                    *o = pair[0] | (pair[1] << 4);
                 }
-                BlockFormat::Mxfp8 => {
-                    let sf = e8m0_from_f32_roundup(amax / E4M3_MAX);
-                    (sf, 1.0 / e8m0_to_f32(sf))
+            }
+        } else {
+            let out = &mut data[first..first + chunk.len()];
+            for ((o, block), &i) in out.chunks_mut(v).zip(chunk.chunks(v)).zip(&inv) {
+                for (o, &e) in o.iter_mut().zip(block) {
+                    *o = e4m3_fast(e * i);
                 }
-            };
-            plain_scales[r * kb_count + kb] = sf;
-            for (i, e) in block.iter().enumerate() {
-                let y = e.to_f32() * inv;
-                codes[r * k + kb * v + i] = if format.is_fp4() { e2m1_from_f32(y) } else { e4m3_from_f32(y) };
             }
         }
     }
-    let data = if format.is_fp4() { pack_e2m1(&codes) } else { codes };
-    let scales = layout.interleave(&plain_scales)?;
-    QuantizedMatrix::from_parts(format, rows, k, data, scales, 1.0 / g)
+}
+
+/// [`block_scale`] without branches on the value: the same scale byte and factor for every
+/// `amax ≥ 0` (tested).
+#[inline(always)]
+fn block_scale_fast(format: BlockFormat, amax: f32, g: f32) -> (u8, f32) {
+    match format {
+        BlockFormat::Nvfp4 => {
+            let sf = e4m3_fast(g * amax / E2M1_MAX);
+            let dec = e4m3_decode_fast(sf);
+            let d = dec * (1.0 / g);
+            let inv = if amax == 0.0 || dec == 0.0 { 0.0 } else { 1.0 / d };
+            (sf, inv)
+        }
+        BlockFormat::Mxfp4 => {
+            let sf = e8m0_roundup_fast(amax / E2M1_MAX);
+            (sf, 1.0 / e8m0_decode_fast(sf))
+        }
+        BlockFormat::Mxfp8 => {
+            let sf = e8m0_roundup_fast(amax / E4M3_MAX);
+            (sf, 1.0 / e8m0_decode_fast(sf))
+        }
+    }
+}
+
+/// [`e4m3_to_f32`] of a non-negative, non-NaN code (a block scale from [`e4m3_fast`] of a
+/// finite `amax ≥ 0`): normals from their bits, subnormals as `m · 2^-9`.
+#[inline(always)]
+fn e4m3_decode_fast(code: u8) -> f32 {
+    let (e, m) = (u32::from(code >> 3), u32::from(code & 7));
+    let normal = f32::from_bits(((e + 120) << 23) | (m << 20));
+    let sub = m as f32 * (1.0 / 512.0);
+    if e == 0 { sub } else { normal }
+}
+
+/// [`e8m0_from_f32_roundup`] of a finite `x ≥ 0` (what a block's `amax / max` is).
+#[inline(always)]
+fn e8m0_roundup_fast(x: f32) -> u8 {
+    let bits = x.to_bits();
+    let (exp, mant) = (bits >> 23, bits & 0x7F_FFFF);
+    let bump = (mant != 0) & (exp != 0xFE) & !(exp == 0 && mant <= 0x40_0000);
+    (exp + u32::from(bump)) as u8
+}
+
+/// [`e8m0_to_f32`] of a byte other than `0xFF` (one [`e8m0_roundup_fast`] gives for a finite
+/// value): `0x00` is 2^-127.
+#[inline(always)]
+fn e8m0_decode_fast(byte: u8) -> f32 {
+    let bits = u32::from(byte) << 23;
+    f32::from_bits(if byte == 0 { 0x0040_0000 } else { bits })
+}
+
+/// [`e2m1_from_f32`](super::fp4::e2m1_from_f32) without branches: the magnitude code is the
+/// number of rounding thresholds `|x|` passes (ties to even: the even codes' thresholds are
+/// inclusive), compared as bits (for non-negative floats the integer order is the float order),
+/// so it vectorises.
+#[inline(always)]
+pub(crate) fn e2m1_fast(x: f32) -> u8 {
+    let bits = x.to_bits();
+    let b = bits & 0x7FFF_FFFF;
+    let t = |v: f32| v.to_bits();
+    let mag = u32::from(b > t(0.25))
+        + u32::from(b >= t(0.75))
+        + u32::from(b > t(1.25))
+        + u32::from(b >= t(1.75))
+        + u32::from(b > t(2.5))
+        + u32::from(b >= t(3.5))
+        + u32::from(b > t(5.0));
+    // NaN (above +∞'s bits) encodes as 0, sign dropped.
+    let code = ((bits >> 28) & 8) | mag;
+    (if b > 0x7F80_0000 { 0 } else { code }) as u8
+}
+
+/// [`e4m3_from_f32`] without branches on the value (selects, integer operations on the bits):
+/// round to nearest even on the f32 bits for normals (adding half an E4M3 step minus one, plus
+/// the kept lsb, carries into the exponent exactly when the f64 form's mantissa rounds to 8), the
+/// code then `(bits >> 20) − (120 << 3)`; `round(|x| · 512)` for subnormals through the 2^23
+/// trick (exact below 2^22, read back from the bits); saturation to ±448, NaN to `0x7F`.
+#[inline(always)]
+pub(crate) fn e4m3_fast(x: f32) -> u8 {
+    const BIG: f32 = 8_388_608.0; // 2^23
+    let bits = x.to_bits();
+    let b = bits & 0x7FFF_FFFF;
+    let r = b.wrapping_add(0x7FFFF + ((b >> 20) & 1));
+    let normal = (r >> 20).wrapping_sub(120 << 3).min(0x7E);
+    let sub = (f32::from_bits(b) * 512.0 + BIG).to_bits().wrapping_sub(BIG.to_bits());
+    let mag = if b < (1.0f32 / 64.0).to_bits() { sub } else { normal };
+    let mag = if b >= E4M3_MAX.to_bits() { 0x7E } else { mag };
+    (if b > 0x7F80_0000 { 0x7F } else { ((bits >> 24) & 0x80) | mag }) as u8
 }
 
 /// Dequantizes to a row-major `[rows, k]` f32 matrix: `tensor_scale · dec(code) · dec(scale)`,
@@ -113,4 +276,136 @@ pub fn dequantize(q: QuantizedRef<'_>, tensor_scale: f32) -> Vec<f32> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{e2m1_fast, e4m3_fast, quantize};
+    use crate::formats::BlockFormat;
+    use crate::formats::fp4::{e2m1_from_f32, pack_e2m1};
+    use crate::formats::fp8::e4m3_from_f32;
+    use crate::{bf16, f16};
+
+    /// f32 bit patterns that reach every rounding decision of both encoders: every sign, exponent
+    /// and top three mantissa bits, with the 20 discarded bits at and around each tie (and a few
+    /// others), plus pseudo-random patterns (subnormal E4M3 rounding falls elsewhere in the bits).
+    fn patterns() -> impl Iterator<Item = u32> {
+        const LOW: [u32; 12] =
+            [0, 1, 2, 0x3FFFF, 0x40000, 0x7FFFE, 0x7FFFF, 0x80000, 0x80001, 0xC0000, 0xFFFFE, 0xFFFFF];
+        let grid = (0..1u32 << 12).flat_map(|top| LOW.iter().map(move |&low| (top << 20) | low));
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let random = (0..1 << 20).map(move |_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u32
+        });
+        grid.chain(random)
+    }
+
+    /// The branch-free encoders give the scalar encoders' codes for every pattern, NaN and ±∞
+    /// included, and around every threshold of E2M1 (one ulp either side).
+    #[test]
+    fn fast_encoders_equal_the_scalar_ones() {
+        let thresholds = [0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 448.0, 464.0, 1.0 / 64.0, 1.0 / 1024.0];
+        let near = thresholds.iter().flat_map(|t| {
+            let b = t.to_bits();
+            [b - 1, b, b + 1].into_iter().flat_map(|b| [b, b | 0x8000_0000])
+        });
+        for b in patterns().chain(near).chain([0x7F80_0000, 0xFF80_0000, 0x7FC0_0000, 0xFFC0_0001]) {
+            let x = f32::from_bits(b);
+            assert_eq!(e2m1_fast(x), e2m1_from_f32(x), "E2M1 of {x:e} ({b:#010x})");
+            assert_eq!(e4m3_fast(x), e4m3_from_f32(x), "E4M3 of {x:e} ({b:#010x})");
+        }
+    }
+
+    /// The branch-free block scales equal the formulas for every format, over magnitudes from 0
+    /// and subnormals to f32's largest, at NVFP4 global scales from tiny to huge.
+    #[test]
+    fn fast_block_scales_equal_the_formulas() {
+        for b in super::tests::patterns().filter(|b| b >> 31 == 0 && *b <= f32::MAX.to_bits()).step_by(7) {
+            let amax = f32::from_bits(b);
+            for format in [BlockFormat::Nvfp4, BlockFormat::Mxfp4, BlockFormat::Mxfp8] {
+                for g in [1.0f32, 2688.0, 3.0e-30, 1.7e30] {
+                    let (sf, inv) = super::block_scale(format, amax, g);
+                    let (sf2, inv2) = super::block_scale_fast(format, amax, g);
+                    assert_eq!((sf, inv.to_bits()), (sf2, inv2.to_bits()), "{format:?} amax {amax:e} g {g:e}");
+                }
+            }
+        }
+    }
+
+    /// The quantizer as the module docs write it, one element at a time with the scalar encoders:
+    /// what `quantize` must equal.
+    fn by_the_formulas(format: BlockFormat, x: &[f32], rows: usize, k: usize, g: f32) -> (Vec<u8>, Vec<u8>) {
+        let v = format.vector_size();
+        let kb = k.div_ceil(v);
+        let (mut scales, mut codes) = (vec![0u8; rows * kb], vec![0u8; rows * k]);
+        for r in 0..rows {
+            for b in 0..kb {
+                let block = &x[r * k + b * v..r * k + ((b + 1) * v).min(k)];
+                let (sf, inv) = super::block_scale(format, super::amax(block), g);
+                scales[r * kb + b] = sf;
+                for (i, e) in block.iter().enumerate() {
+                    let y = e * inv;
+                    codes[r * k + b * v + i] = if format.is_fp4() { e2m1_from_f32(y) } else { e4m3_from_f32(y) };
+                }
+            }
+        }
+        (if format.is_fp4() { pack_e2m1(&codes) } else { codes }, scales)
+    }
+
+    /// `quantize` equals the formulas for every format and input type, partial last blocks, zero
+    /// blocks and magnitudes from tiny to huge.
+    #[test]
+    fn quantize_equals_the_formulas() {
+        let mut state = 7u64;
+        let mut next = move || {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        for format in [BlockFormat::Nvfp4, BlockFormat::Mxfp4, BlockFormat::Mxfp8] {
+            for (rows, k) in [(1, 2), (3, 16), (2, 34), (5, 96), (4, 100)] {
+                for scale in [1e-30f32, 1e-3, 1.0, 300.0, 1e30] {
+                    let mut x: Vec<f32> = (0..rows * k).map(|_| next() * scale).collect();
+                    x[..k.min(16)].fill(0.0); // a zero block
+                    let g = if format == BlockFormat::Nvfp4 { super::nvfp4_global_scale(super::amax(&x)) } else { 1.0 };
+                    let want = by_the_formulas(format, &x, rows, k, g);
+                    let lay = crate::formats::scale_layout::ScaleLayout::for_operand(rows, k, format.vector_size());
+                    let got = quantize(format, &x, rows, k, g).unwrap();
+                    let at = format!("{format:?} {rows}x{k} scale {scale:e}");
+                    assert_eq!(got.data(), &want.0[..], "{at}: codes");
+                    assert_eq!(lay.deinterleave(got.scales()).unwrap(), want.1, "{at}: scales");
+                    // Every ISA's build of the row body (forced), row by row.
+                    for isa in crate::Isa::available() {
+                        let token = crate::simd::IsaToken::new(Some(isa)).unwrap();
+                        let (rb, kb) = (format.row_bytes(k), k.div_ceil(format.vector_size()));
+                        for r in 0..rows {
+                            let (mut data, mut sc) = (vec![0u8; rb], vec![0u8; kb]);
+                            crate::simd::quantize_row(token, format, &x[r * k..(r + 1) * k], g, &mut data, &mut sc);
+                            assert_eq!(data, want.0[r * rb..(r + 1) * rb], "{at}: {isa:?} row {r} codes");
+                            assert_eq!(sc, want.1[r * kb..(r + 1) * kb], "{at}: {isa:?} row {r} scales");
+                        }
+                    }
+                    let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+                    let xbf: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
+                    assert_eq!(
+                        quantize(format, &xb, rows, k, g).unwrap(),
+                        quantize(format, &xbf, rows, k, g).unwrap(),
+                        "{at}: bf16"
+                    );
+                    if scale > 1.0 {
+                        continue; // past f16's range
+                    }
+                    let xh: Vec<f16> = x.iter().map(|&v| f16::from_f32(v)).collect();
+                    let xhf: Vec<f32> = xh.iter().map(|v| v.to_f32()).collect();
+                    assert_eq!(
+                        quantize(format, &xh, rows, k, g).unwrap(),
+                        quantize(format, &xhf, rows, k, g).unwrap(),
+                        "{at}: f16"
+                    );
+                }
+            }
+        }
+    }
 }

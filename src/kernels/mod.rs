@@ -9,12 +9,13 @@
 //!   weights and activations). The only place a format is decoded.
 //! * `operands`: a family's packed operands as the scheduler sees them: compute a tile (through
 //!   `crate::simd`), turn an accumulator into the value to round, compute an element exactly.
-//! * `schedule`: head-aligned column panels, row tiles, tasks on rayon.
+//! * `schedule`: head-aligned column panels, row tiles, tasks on the call's `team` (the calling
+//!   thread, rayon, or a `Workers` team).
 //! * `epilogue`: destinations (a plain matrix, or Q/K/V routed into the paged cache), rounding
 //!   once, per-head transforms.
 //! * `scatter`: the parallel disjoint writes (`SharedMut`). With `epilogue`, `schedule` and `rope`
-//!   (which write through it under their SAFETY arguments), the only unsafe code outside
-//!   `crate::simd`.
+//!   (which write through it under their SAFETY arguments), and `crate::workers` (the job
+//!   hand-off), the only unsafe code outside `crate::simd`.
 //!
 //! No `[M, N]` intermediate exists.
 
@@ -24,5 +25,6 @@ pub(crate) mod pack;
 pub(crate) mod rope;
 pub(crate) mod scatter;
 pub(crate) mod schedule;
+pub(crate) mod team;
 
 pub use pack::{PackedPlainWeights, PackedWeights};

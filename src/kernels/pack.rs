@@ -16,6 +16,7 @@
 // Index loops mirror the packed layout's formulas; iterator chains would hide them.
 #![allow(clippy::needless_range_loop)]
 
+use super::team::Team;
 use crate::element::Element;
 use crate::error::Result;
 use crate::formats::fp4::{e2m1_doubled, fp4_code};
@@ -28,7 +29,6 @@ use crate::simd::fp4::{E5M3_ACT_EXP, E8M0_ACT_BIAS, Fp4Group, Fp4Rows, ScaleKind
 use crate::simd::fp8::{E8M0_FP8_ACT_BIAS, Fp8Group, Fp8Rows};
 use crate::simd::plain::{PackedRows, PlainKind, PlainPanel};
 use crate::simd::{GROUP, IsaToken, MR};
-use rayon::prelude::*;
 use std::marker::PhantomData;
 
 /// The unsigned E5M3 byte (bias 15) of `|E4M3 scale byte|`, exact; `None` for NaN.
@@ -46,16 +46,9 @@ pub(crate) fn e5m3_from_e4m3_scale(b: u8) -> Option<u8> {
     Some((((e + 15) as u32) << 3 | m) as u8)
 }
 
-/// Fills `n` packed units in parallel (on the current rayon pool) or sequentially.
-fn fill_chunks<T: Send>(data: &mut [T], chunk: usize, parallel: bool, f: impl Fn(usize, &mut [T]) + Sync + Send) {
-    if chunk == 0 {
-        return;
-    }
-    if parallel {
-        data.par_chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i, c));
-    } else {
-        data.chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i, c));
-    }
+/// Fills `n` packed units on `team`.
+fn fill_chunks<T: Send>(data: &mut [T], chunk: usize, team: Team, f: impl Fn(usize, &mut [T]) + Sync + Send) {
+    team.chunks_mut(data, chunk, f);
 }
 
 /// A block-scaled weight `[N, K]` (NVFP4, MXFP4, MXFP8) repacked once for the fast kernels
@@ -89,10 +82,10 @@ impl PackedWeights {
     /// Repacks a weight (validated by [`QuantizedRef::new`]), in parallel on the current rayon
     /// pool, keeping its [`tensor_scale`](QuantizedRef::tensor_scale).
     pub fn new(weight: QuantizedRef<'_>) -> Self {
-        Self::pack(weight, true)
+        Self::pack(weight, Team::Rayon)
     }
 
-    pub(crate) fn pack(w: QuantizedRef<'_>, parallel: bool) -> Self {
+    pub(crate) fn pack(w: QuantizedRef<'_>, team: Team) -> Self {
         let (format, n, k) = (w.format(), w.rows(), w.k());
         let v = format.vector_size();
         let kb = w.k_blocks();
@@ -121,7 +114,7 @@ impl PackedWeights {
             let pairs = v / 8;
             let gbytes = kb * pairs * 64;
             let mut data = vec![0u8; groups * gbytes];
-            fill_chunks(&mut data, gbytes, parallel, |g, d| {
+            fill_chunks(&mut data, gbytes, team, |g, d| {
                 for c in 0..GROUP.min(n.saturating_sub(g * GROUP)) {
                     let row = w.row(g * GROUP + c);
                     let code = |kk: usize| if kk < k { fp4_code(row, kk) } else { 0 };
@@ -141,7 +134,7 @@ impl PackedWeights {
             // (one 16-byte load per k feeds 16 columns), zero padded to kb·V.
             let kp = kb * v;
             let mut data = vec![0u8; groups * GROUP * kp];
-            fill_chunks(&mut data, GROUP * kp, parallel, |g, d| {
+            fill_chunks(&mut data, GROUP * kp, team, |g, d| {
                 for c in 0..GROUP.min(n.saturating_sub(g * GROUP)) {
                     for (kk, &b) in w.row(g * GROUP + c).iter().enumerate() {
                         d[kk * GROUP + c] = b;
@@ -403,10 +396,10 @@ impl<T: Element> PackedPlainWeights<T> {
     pub fn new(weight: &[T], hidden_size: usize) -> Result<Self> {
         let k = hidden_size;
         let n = weight_rows(weight, k)?;
-        Ok(Self::pack(weight, n, k, true))
+        Ok(Self::pack(weight, n, k, Team::Rayon))
     }
 
-    pub(crate) fn pack(weight: &[T], n: usize, k: usize, parallel: bool) -> Self {
+    pub(crate) fn pack(weight: &[T], n: usize, k: usize, team: Team) -> Self {
         let kind = PlainKind::of::<T>();
         let pairs = k.div_ceil(2);
         let groups = n.div_ceil(GROUP);
@@ -416,7 +409,7 @@ impl<T: Element> PackedPlainWeights<T> {
             PlainKind::F32 => x.to_f32().to_bits(),
             _ => x.to_bits(),
         };
-        fill_chunks(&mut data, glen, parallel, |g, d| {
+        fill_chunks(&mut data, glen, team, |g, d| {
             let cols = GROUP.min(n - g * GROUP);
             kind.pack_group(d, pairs, cols, k, |kk, c| bits(weight[(g * GROUP + c) * k + kk]));
         });
@@ -485,22 +478,19 @@ const MAX_MR: usize = 16;
 const PAR_PACK_BLOCKS: usize = 4;
 
 /// Sizes `buf` to `blocks` blocks of `per` values and has `pack(b, block)` write each: on the
-/// pool when `parallel` and there are enough blocks (a serial pack was ~5 % of a Llama-3-8B
+/// team when there are enough blocks (a serial pack was ~5 % of a Llama-3-8B
 /// M = 512 bf16 call on two Zen 5 threads). The buffer is zeroed first (~0.1 ms for 4 MiB), then
 /// every value overwritten.
 fn fill_blocks<E: Copy + Default + Send + Poolable>(
     buf: &mut Pooled<E>,
     blocks: usize,
     per: usize,
-    parallel: bool,
+    team: Team,
     pack: impl Fn(usize, &mut [E]) + Sync,
 ) {
     buf.resize(blocks * per, E::default());
-    if parallel && blocks >= PAR_PACK_BLOCKS {
-        buf.par_chunks_mut(per).enumerate().for_each(|(b, d)| pack(b, d));
-    } else {
-        buf.chunks_mut(per).enumerate().for_each(|(b, d)| pack(b, d));
-    }
+    let team = if blocks >= PAR_PACK_BLOCKS { team } else { Team::One };
+    team.chunks_mut(buf, per, pack);
 }
 
 /// bf16/f16/f32 activations packed once per call in the layout of the token's micro-kernel
@@ -522,7 +512,7 @@ impl PlainActs {
         token: IsaToken,
         kind: PlainKind,
         kv_rows: Option<&[usize]>,
-        parallel: bool,
+        team: Team,
     ) -> Self {
         let pairs = k.div_ceil(2);
         let (mr, bf16_pairs) = crate::simd::plain_layout(token, kind);
@@ -567,9 +557,9 @@ impl PlainActs {
                 }
             };
             if bf16_pairs {
-                fill_blocks(&mut p, blocks, per, parallel, pack_pairs);
+                fill_blocks(&mut p, blocks, per, team, pack_pairs);
             } else {
-                fill_blocks(&mut f, blocks, per, parallel, pack_f32);
+                fill_blocks(&mut f, blocks, per, team, pack_f32);
             }
             (f, p)
         };

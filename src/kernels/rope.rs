@@ -11,12 +11,14 @@
 #![allow(unsafe_code)] // `SharedMut::slice_mut` per row or run, under the slots' disjointness
 
 use super::scatter::SharedMut;
+use super::team::Team;
 use crate::cache::{CacheShape, SeqCursor, SeqSlots, SlotPlan};
 use crate::element::Element;
 use crate::ops::RopeMath;
 use crate::pool::Pooled;
 use crate::simd::IsaToken;
 use crate::simd::rope::{HalfRows, RopeRow, Round, TokenFn, convert, rotate_heads, rotate_heads_from};
+use std::sync::Mutex;
 
 /// The first element of each row's slot in layer `layer`, plus `offset` (the V part, or 0).
 pub(crate) fn slot_bases(plan: &SlotPlan, shape: &CacheShape, layer: usize, offset: usize) -> Pooled<Option<usize>> {
@@ -209,11 +211,12 @@ const ROPE_SHARE_BYTES: usize = if cfg!(miri) { 0 } else { 128 << 10 };
 const STORE_SHARE_BYTES: usize = if cfg!(miri) { 0 } else { 512 << 10 };
 
 /// Runs `job(row, (slot, freqs row), buffers, output row)` for every row (`output` in rows of
-/// `width`) that `slots` gives a slot. When `parallel`, with enough rows and more than one thread,
-/// the rows are cut into one contiguous share per thread of the current rayon pool (each share at
+/// `width`) that `slots` gives a slot. On a team of several threads, with enough rows, the rows
+/// are cut into one contiguous share per thread of the team (each share at
 /// least `PAR_ROWS / 2` rows and `grain` bytes, a row moving `row_bytes`; see
 /// [`ROPE_SHARE_BYTES`]), each holding as many active rows as the others (an inactive row, a padded or unslotted one,
-/// costs next to nothing), and the shares run through a tree of `rayon::join`; each share's
+/// costs next to nothing), and the shares run through a tree of `rayon::join` (on a
+/// [`Workers`](crate::Workers) team, one share per team thread); each share's
 /// buffers come from its thread's pool.
 ///
 /// Why one share per thread instead of rayon's adaptive split of the rows (`par_chunks_mut` +
@@ -228,7 +231,7 @@ const STORE_SHARE_BYTES: usize = if cfg!(miri) { 0 } else { 512 << 10 };
 /// `RUNS`: `job(first row, (slot, freqs row, n), buffers, n output rows)` for runs of `n` rows
 /// ([`RowSlots::run`]) instead of one row at a time (`n` = 1).
 fn for_rows<T: Send, S: RowSlots, const RUNS: bool>(
-    parallel: bool,
+    team: Team,
     (row_bytes, grain): (usize, usize),
     output: &mut [T],
     width: usize,
@@ -236,7 +239,7 @@ fn for_rows<T: Send, S: RowSlots, const RUNS: bool>(
     job: impl Fn(usize, (usize, usize, usize), &mut Bufs, &mut [T]) + Sync,
 ) {
     let rows = output.len() / width;
-    let threads = share_count(parallel, rows, row_bytes, grain);
+    let threads = share_count(team, rows, row_bytes, grain);
     let share = |first: usize, out: &mut [T]| {
         let mut bufs = (Pooled::new(), Pooled::new());
         let mut cursor = slots.cursor(first);
@@ -261,16 +264,56 @@ fn for_rows<T: Send, S: RowSlots, const RUNS: bool>(
         }
         return;
     }
-    shares(&share, slots, 0, output, width, threads);
+    match team {
+        Team::Workers(w) => {
+            // One share per thread of the team, each taken by the first thread that asks (its
+            // own first), so every share runs once whichever threads run.
+            let parts: [Part<'_, T>; MAX_SHARES] = std::array::from_fn(|_| Mutex::new(None));
+            let threads = threads.min(MAX_SHARES);
+            cut_shares(&parts[..threads], slots, 0, output, width);
+            w.each_thread(&|me| {
+                for j in 0..threads {
+                    let part = parts[(me + j) % threads].lock().unwrap_or_else(|e| e.into_inner()).take();
+                    if let Some((first, out)) = part {
+                        share(first, out);
+                    }
+                }
+            });
+        }
+        _ => shares(&share, slots, 0, output, width, threads),
+    }
+}
+
+/// One share of rows on a [`Workers`](crate::Workers) team: its first row and output rows, taken once.
+type Part<'a, T> = Mutex<Option<(usize, &'a mut [T])>>;
+
+/// Most shares a call on a [`Workers`](crate::Workers) team is cut into.
+const MAX_SHARES: usize = 64;
+
+/// Cuts rows `first ..` (`output`, rows of `width`) into `parts.len()` contiguous shares of equal
+/// active rows (the cuts of [`shares`]), one per part.
+fn cut_shares<'a, T>(parts: &[Part<'a, T>], slots: &impl RowSlots, first: usize, output: &'a mut [T], width: usize) {
+    let (threads, rows) = (parts.len(), output.len() / width);
+    if threads <= 1 || rows < 2 {
+        if let Some(p) = parts.first() {
+            *p.lock().unwrap_or_else(|e| e.into_inner()) = Some((first, output));
+        }
+        return;
+    }
+    let left = threads / 2;
+    let cut = slots.cut(first, rows, left, threads);
+    let (a, b) = output.split_at_mut(cut * width);
+    cut_shares(&parts[..left], slots, first, a, width);
+    cut_shares(&parts[left..], slots, first + cut, b, width);
 }
 
 /// The number of shares [`for_rows`] cuts `rows` rows of `row_bytes` bytes each into: one per
 /// thread of the current rayon pool, each at least `PAR_ROWS / 2` rows and `grain` bytes; 1 when
-/// not `parallel`.
-fn share_count(parallel: bool, rows: usize, row_bytes: usize, grain: usize) -> usize {
+/// on one thread.
+fn share_count(team: Team, rows: usize, row_bytes: usize, grain: usize) -> usize {
     let fewest = (PAR_ROWS / 2).max(grain.div_ceil(row_bytes.max(1)));
-    match parallel && rows >= 2 * fewest {
-        true => rayon::current_num_threads().min(rows / fewest),
+    match rows >= 2 * fewest {
+        true => team.threads().min(rows / fewest).max(1),
         false => 1,
     }
 }
@@ -322,7 +365,7 @@ fn cut(active: impl Fn(usize) -> bool, first: usize, rows: usize, left: usize, t
 /// [`for_rows`]; with `RUNS`, `job(first row, freqs row, n, n output rows, their K slots)` for
 /// runs of `n` rows whose slots lie `kw` apart (contiguous) and freqs rows are consecutive.
 fn slot_rows<T: Send, C: Send, const RUNS: bool>(
-    parallel: bool,
+    team: Team,
     grain: (usize, usize),
     output: &mut [T],
     (qw, kw): (usize, usize),
@@ -332,7 +375,7 @@ fn slot_rows<T: Send, C: Send, const RUNS: bool>(
 ) {
     // A run's slots must be the contiguous `n · kw` values that `slice_mut` hands out below.
     assert!(!RUNS || slots.stride() == kw, "runs of slots {} apart, {kw} values each", slots.stride());
-    for_rows::<T, _, RUNS>(parallel, grain, output, qw, slots, |r, (base, p, n), bufs, o| {
+    for_rows::<T, _, RUNS>(team, grain, output, qw, slots, |r, (base, p, n), bufs, o| {
         // SAFETY: every `RowSlots` gives distinct rows disjoint slots (a slot plan checked every
         // slot, or no two written pages share a block; `SeqSlots`), so the ranges
         // `base .. base + kw` of distinct rows are disjoint (a slot holds the row's kw K values);
@@ -349,7 +392,7 @@ fn slot_rows<T: Send, C: Send, const RUNS: bool>(
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn rope_rows<T: Element, F: Element, C: Element>(
     token: IsaToken,
-    parallel: bool,
+    team: Team,
     spec: &RopeSpec<'_, F>,
     q_proj: &[T],
     output: &mut [T],
@@ -381,17 +424,17 @@ pub(crate) fn rope_rows<T: Element, F: Element, C: Element>(
             t.run(&spec.freqs[p * rd..(p + n) * rd], &q_proj[r * qw..(r + n) * qw], o, k, n, kw)
         };
         match runs {
-            true => slot_rows::<T, C, true>(parallel, grain, output, (qw, kw), &cache, slots, job),
-            false => slot_rows::<T, C, false>(parallel, grain, output, (qw, kw), &cache, slots, job),
+            true => slot_rows::<T, C, true>(team, grain, output, (qw, kw), &cache, slots, job),
+            false => slot_rows::<T, C, false>(team, grain, output, (qw, kw), &cache, slots, job),
         }
         return;
     }
     match HalfRows::<T, C>::new(token, i, r, rd, spec.q_heads, spec.k_heads) {
-        Some(h) => slot_rows::<T, C, false>(parallel, grain, output, (qw, kw), &cache, slots, |r, p, _, bufs, o, k| {
+        Some(h) => slot_rows::<T, C, false>(team, grain, output, (qw, kw), &cache, slots, |r, p, _, bufs, o, k| {
             bufs.0.resize(h.buf_len(), 0.0);
             h.row(&spec.freqs[p * rd..(p + 1) * rd], &q_proj[r * qw..(r + 1) * qw], o, k, &mut bufs.0);
         }),
-        None => slot_rows::<T, C, false>(parallel, grain, output, (qw, kw), &cache, slots, |r, p, _, bufs, o, k| {
+        None => slot_rows::<T, C, false>(team, grain, output, (qw, kw), &cache, slots, |r, p, _, bufs, o, k| {
             spec.row(token, p, &q_proj[r * qw..(r + 1) * qw], o, k, bufs)
         }),
     }
@@ -405,7 +448,7 @@ pub(crate) fn rope_rows<T: Element, F: Element, C: Element>(
 /// small rows: see docs/performance.md, "KV stores").
 pub(crate) fn store_rows<T: Element, C: Element>(
     token: IsaToken,
-    parallel: bool,
+    team: Team,
     values: &[T],
     cache: &mut [C],
     slots: &impl RowSlots,
@@ -430,14 +473,14 @@ pub(crate) fn store_rows<T: Element, C: Element>(
     let runs = slots.stride() == width;
     let grain = (width * (size_of::<T>() + size_of::<C>()), STORE_SHARE_BYTES);
     match runs {
-        true => for_rows::<_, _, true>(parallel, grain, &mut rows, 1, slots, job),
-        false => for_rows::<_, _, false>(parallel, grain, &mut rows, 1, slots, job),
+        true => for_rows::<_, _, true>(team, grain, &mut rows, 1, slots, job),
+        false => for_rows::<_, _, false>(team, grain, &mut rows, 1, slots, job),
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{PAR_ROWS, RowSlots, cut, for_rows, share_count};
+    use super::{PAR_ROWS, RowSlots, Team, cut, for_rows, share_count};
     use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
     /// Rows active by [`pattern`], each with slot and position `r`.
@@ -490,7 +533,10 @@ mod tests {
     #[test]
     fn for_rows_runs_each_active_row_once() {
         fn check<const RUNS: bool>() {
-            for threads in [1, 2, 3, 8] {
+            for (threads, team) in [1, 2, 3, 8]
+                .into_iter()
+                .flat_map(|t| [(t, Team::Rayon), (t, Team::Workers(crate::Workers::shared(t).unwrap()))])
+            {
                 let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
                 for rows in [0, 1, PAR_ROWS - 1, PAR_ROWS, PAR_ROWS + 1, 64, 65] {
                     for p in 0..6 {
@@ -501,7 +547,7 @@ mod tests {
                         let grain = if p % 2 == 0 { 0 } else { 16 };
                         pool.install(|| {
                             for_rows::<_, _, RUNS>(
-                                true,
+                                team,
                                 (1, grain),
                                 &mut out,
                                 3,
@@ -517,7 +563,7 @@ mod tests {
                         });
                         for r in 0..rows {
                             let (want, got) = (usize::from(active(r)), hits[r].load(Relaxed));
-                            let at = format!("{threads} threads, {rows} rows, pattern {p}, runs {RUNS}");
+                            let at = format!("{team:?}, {threads} threads, {rows} rows, pattern {p}, runs {RUNS}");
                             assert_eq!(got, want, "{at}: row {r}");
                             let row = if active(r) { r } else { usize::MAX };
                             assert_eq!(out[3 * r..3 * r + 3], [row; 3], "{at}");
@@ -539,8 +585,8 @@ mod tests {
             pool.install(|| {
                 for rows in [0, 1, 7, 8, 9, 63, 64, 65, 1000] {
                     for (row_bytes, grain) in [(1, 0), (1000, 0), (1000, 16_000), (1000, 16_001), (3, 100), (0, 100)] {
-                        let n = share_count(true, rows, row_bytes, grain);
-                        assert_eq!(share_count(false, rows, row_bytes, grain), 1);
+                        let n = share_count(Team::Rayon, rows, row_bytes, grain);
+                        assert_eq!(share_count(Team::One, rows, row_bytes, grain), 1);
                         let fewest = (PAR_ROWS / 2).max(grain.div_ceil(row_bytes.max(1)));
                         let at = format!("{threads} threads, {rows} rows of {row_bytes} bytes, grain {grain}");
                         assert!(n >= 1 && n <= threads, "{at}: {n} shares");

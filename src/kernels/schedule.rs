@@ -6,9 +6,9 @@
 
 use super::epilogue::{Dest, Scratch};
 use super::operands::{Operands, Tile};
+use super::team::Team;
 use crate::pool::Pooled;
 use crate::simd::{GROUP, IsaToken};
-use rayon::prelude::*;
 use std::cell::RefCell;
 
 /// Column panel boundaries (multiples of 16, the last one the padded width).
@@ -58,10 +58,9 @@ thread_local! {
     static TILE: RefCell<(Vec<f32>, Option<Scratch>)> = const { RefCell::new((Vec::new(), None)) };
 }
 
-/// Runs all tasks of a call: `m` rows of `src` into `dest`, on the current rayon pool when
-/// `parallel`. Row tiles of `src.mc(token)` rows (decode and small prefill stream each weight panel once);
+/// Runs all tasks of a call: `m` rows of `src` into `dest`, on `team`. Row tiles of `src.mc(token)` rows (decode and small prefill stream each weight panel once);
 /// panels that compute only the destination's K/V rows tile those rows instead.
-pub(crate) fn run<S: Operands, D: Dest>(src: &S, dest: &D, m: usize, token: IsaToken, parallel: bool, panels: &Panels) {
+pub(crate) fn run<S: Operands, D: Dest>(src: &S, dest: &D, m: usize, token: IsaToken, team: Team, panels: &Panels) {
     let mc = src.mc(token);
     assert!(mc <= MAX_MC);
     let row_tiles = m.div_ceil(mc);
@@ -104,8 +103,8 @@ pub(crate) fn run<S: Operands, D: Dest>(src: &S, dest: &D, m: usize, token: IsaT
         });
     };
     let tasks = row_tiles * np;
-    if parallel && tasks > 1 {
-        run_affine(tasks, &task);
+    if tasks > 1 && team.threads() > 1 {
+        run_affine(team, tasks, &task);
     } else {
         (0..tasks).for_each(task);
     }
@@ -114,9 +113,9 @@ pub(crate) fn run<S: Operands, D: Dest>(src: &S, dest: &D, m: usize, token: IsaT
 /// Most chunks `run_affine` cuts a call into (threads beyond it share chunks).
 const MAX_CHUNKS: usize = 64;
 
-/// Runs tasks `0..tasks` on the current rayon pool with thread affinity: chunk `c` (the `c`-th
-/// contiguous `1/threads` of the tasks) is taken first by the pool's thread `c`, then each thread
-/// helps the others' chunks one task at a time, so no thread idles while tasks remain.
+/// Runs tasks `0..tasks` on `team` with thread affinity: chunk `c` (the `c`-th contiguous
+/// `1/threads` of the tasks) is taken first by the team's thread `c`, then each thread helps the
+/// others' chunks one task at a time, so no thread idles while tasks remain.
 ///
 /// Why not plain `par_iter`: its work stealing hands a call's tasks to whichever thread comes
 /// first, so from one call to the next a column panel's weights change cores; a layer small
@@ -125,15 +124,15 @@ const MAX_CHUNKS: usize = 64;
 /// M = 1 NVFP4, four alternating runs of a driver): median 13.7–14.1 µs → 12.8–13.4 µs; M = 64
 /// and 512 unchanged. Tasks of unequal cost (the empty K/V panels of padded BSHD rows) stay
 /// balanced by the helping, as they were with the finer rayon jobs this replaces.
-fn run_affine(tasks: usize, task: &(impl Fn(usize) + Sync)) {
+fn run_affine(team: Team, tasks: usize, task: &(impl Fn(usize) + Sync)) {
     use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
-    let nt = rayon::current_num_threads().clamp(1, MAX_CHUNKS).min(tasks);
+    let nt = team.threads().clamp(1, MAX_CHUNKS).min(tasks);
     let bound = |c: usize| tasks * c / nt;
     let next: [AtomicUsize; MAX_CHUNKS] = std::array::from_fn(|c| AtomicUsize::new(bound(c.min(nt))));
     let drain = |c: usize| {
         let end = bound(c + 1);
         // Relaxed suffices: the counter only hands out indices; the tasks' writes are published by
-        // rayon's join at the end of `for_each`.
+        // the team's join at the end of `spread`.
         while next[c].load(Relaxed) < end {
             let t = next[c].fetch_add(1, Relaxed);
             if t >= end {
@@ -142,10 +141,9 @@ fn run_affine(tasks: usize, task: &(impl Fn(usize) + Sync)) {
             task(t);
         }
     };
-    // One job per chunk; whichever thread runs a job drains its own chunk first, so a job run by
-    // a thread that already finished its chunk goes straight to helping.
-    (0..nt).into_par_iter().with_max_len(1).for_each(|_| {
-        let me = rayon::current_thread_index().unwrap_or(0) % nt;
+    // Each thread drains its own chunk first, then helps; a job run by a thread that already
+    // finished its chunk goes straight to helping.
+    team.spread(nt, &|me| {
         for j in 0..nt {
             drain((me + j) % nt);
         }
@@ -156,17 +154,22 @@ fn run_affine(tasks: usize, task: &(impl Fn(usize) + Sync)) {
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
-    /// Every task runs exactly once, whatever the thread and task counts (more threads than
-    /// tasks, more than `MAX_CHUNKS`, uneven chunks).
+    use super::Team;
+
+    /// Every task runs exactly once, whatever the team, the thread and task counts (more threads
+    /// than tasks, more than `MAX_CHUNKS`, uneven chunks).
     #[test]
     fn run_affine_runs_each_task_once() {
         for threads in [1, 2, 3, 8, 70] {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            let workers = crate::Workers::shared(threads).unwrap();
             for tasks in [2, 3, 7, 64, 65, 200] {
-                let hits: Vec<AtomicUsize> = (0..tasks).map(|_| AtomicUsize::new(0)).collect();
-                pool.install(|| super::run_affine(tasks, &|t| _ = hits[t].fetch_add(1, Relaxed)));
-                let counts: Vec<usize> = hits.iter().map(|h| h.load(Relaxed)).collect();
-                assert!(counts.iter().all(|&c| c == 1), "{threads} threads, {tasks} tasks: {counts:?}");
+                for team in [Team::Rayon, Team::Workers(workers)] {
+                    let hits: Vec<AtomicUsize> = (0..tasks).map(|_| AtomicUsize::new(0)).collect();
+                    pool.install(|| super::run_affine(team, tasks, &|t| _ = hits[t].fetch_add(1, Relaxed)));
+                    let counts: Vec<usize> = hits.iter().map(|h| h.load(Relaxed)).collect();
+                    assert!(counts.iter().all(|&c| c == 1), "{team:?}, {threads} threads, {tasks} tasks: {counts:?}");
+                }
             }
         }
     }

@@ -237,6 +237,11 @@ fn is_amd() -> bool {
 pub(crate) struct IsaToken(Isa);
 
 impl IsaToken {
+    /// The best available ISA's token.
+    pub fn best() -> Self {
+        IsaToken(Isa::best())
+    }
+
     /// The token for `isa` (the best available when `None`), or an error when the CPU lacks it:
     /// forcing an ISA never silently falls back.
     pub fn new(isa: Option<Isa>) -> Result<Self> {
@@ -247,6 +252,31 @@ impl IsaToken {
             Err(Error::Unsupported { what: format!("ISA {} is not available on this CPU", isa.name()) })
         }
     }
+}
+
+/// Quantizes one row (`crate::formats::quantize`'s body) compiled for `token`'s ISA: the body's
+/// loops vectorise at its width (AVX2, AVX-512; NEON is aarch64's baseline, so the plain build
+/// already uses it). The same bytes on every ISA (tested).
+pub(crate) fn quantize_row(
+    token: IsaToken,
+    format: crate::formats::BlockFormat,
+    row: &[f32],
+    g: f32,
+    data: &mut [u8],
+    scales: &mut [u8],
+) {
+    #[cfg(target_arch = "x86_64")]
+    match token.0 {
+        Isa::Avx512 | Isa::Avx512Bf16 => {
+            // SAFETY: the token proves AVX-512 F and BW (and AVX2, FMA) were detected.
+            return unsafe { x86::quant::quantize_row_avx512(format, row, g, data, scales) };
+        }
+        // SAFETY: the token proves AVX2 and FMA were detected.
+        Isa::Avx2 => return unsafe { x86::quant::quantize_row_avx2(format, row, g, data, scales) },
+        _ => {}
+    }
+    let _ = token;
+    crate::formats::quantize::quantize_row_body(format, row, g, data, scales)
 }
 
 /// Rows per call of the FP4 group kernel of `token`'s ISA: 8 where 32 vector registers hold 8

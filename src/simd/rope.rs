@@ -258,7 +258,7 @@ pub(crate) unsafe fn copy16_tail(src: *const u16, dst: *mut u16, n: usize, from:
 }
 
 /// `s` as a slice of `B` where `A` is `B` (the same type, by `TypeId`).
-fn same_type<A: 'static, B: 'static>(s: &[A]) -> Option<&[B]> {
+pub(crate) fn same_type<A: 'static, B: 'static>(s: &[A]) -> Option<&[B]> {
     // SAFETY: A and B are one type, so the slice is `s.len()` values of B at the same address.
     (TypeId::of::<A>() == TypeId::of::<B>()).then(|| unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), s.len()) })
 }

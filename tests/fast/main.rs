@@ -169,7 +169,7 @@ fn every_isa_is_bit_identical_to_the_scalar_kernel_and_close_to_exact() {
         let exact: (Vec<f32>, Vec<f32>) = run(&s, tsf, None, 7);
         check_bound(&s, tsf, &base, &exact);
         for &isa in &isas {
-            for par in [Par::Sequential, Par::Rayon] {
+            for par in [Par::Sequential, Par::Rayon, Par::Workers(paged_qkv::Workers::shared(3).unwrap())] {
                 let got: (Vec<f32>, Vec<f32>) = run(&s, tsf, Some(Exec { par, isa: Some(isa) }), 7);
                 assert_eq!(bits(&got.0), bits(&base.0), "{isa:?} {par:?} output, case {case}");
                 assert_eq!(bits(&got.1), bits(&base.1), "{isa:?} {par:?} cache, case {case}");
@@ -360,7 +360,7 @@ fn mx_scale_extremes_and_mxfp8_tiles_are_bit_identical() {
         check_bound(&s, 1.0, &base, &exact);
         assert!(base.0.iter().any(|v| v.is_finite() && *v != 0.0), "{format:?} case {case}: some ordinary values");
         for &isa in &isas {
-            for par in [Par::Sequential, Par::Rayon] {
+            for par in [Par::Sequential, Par::Rayon, Par::Workers(paged_qkv::Workers::shared(3).unwrap())] {
                 let got: (Vec<f32>, Vec<f32>) = run(&s, 1.0, Some(Exec { par, isa: Some(isa) }), 6);
                 assert_eq!(bits(&got.0), bits(&base.0), "{format:?} {isa:?} {par:?} output, case {case}");
                 assert_eq!(bits(&got.1), bits(&base.1), "{format:?} {isa:?} {par:?} cache, case {case}");
@@ -526,8 +526,8 @@ proptest! {
 }
 
 /// Small enough for Miri (`cargo +nightly miri test --test fast miri_`): the scalar kernel and the
-/// parallel scatter (2 threads writing the output and cache through raw pointers) against the
-/// sequential run and the oracle. Under Miri only the scalar ISA is detected.
+/// parallel scatter (2 threads writing the output and cache through raw pointers, on rayon and on a
+/// `Workers` team) against the sequential run and the oracle. Under Miri only the scalar ISA is detected.
 #[test]
 fn miri_sized_parallel_call() {
     let mut rng = Rng::new(55);
@@ -549,6 +549,11 @@ fn miri_sized_parallel_call() {
         let par: (Vec<f32>, Vec<f32>) = in_pool(2, || run(&s, 1.0, Some(Exec::default()), 3));
         assert_eq!(bits(&seq.0), bits(&par.0));
         assert_eq!(bits(&seq.1), bits(&par.1));
+        // A `Workers` team: the job hand-off (the lifetime-erased closure) under Miri too.
+        let team = Exec::on(paged_qkv::Workers::shared(2).unwrap());
+        let on_team: (Vec<f32>, Vec<f32>) = run(&s, 1.0, Some(team), 3);
+        assert_eq!(bits(&seq.0), bits(&on_team.0));
+        assert_eq!(bits(&seq.1), bits(&on_team.1));
         let exact: (Vec<f32>, Vec<f32>) = run(&s, 1.0, None, 3);
         check_bound(&s, 1.0, &seq, &exact);
     }

@@ -319,6 +319,12 @@ fn emulate_dpbf16(s: &Plain<bf16>, i: usize, n: usize, exact: f32) -> f32 {
     if v.is_finite() { v } else { exact }
 }
 
+/// The two results hold the same bits.
+fn same_bits(a: &(Vec<f32>, Vec<f32>), b: &(Vec<f32>, Vec<f32>)) -> bool {
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    bits(&a.0) == bits(&b.0) && bits(&a.1) == bits(&b.1)
+}
+
 fn isa_exec(isa: Isa) -> Exec {
     Exec { par: Par::Rayon, isa: Some(isa) }
 }
@@ -334,6 +340,10 @@ fn check_isas<T: Element>(s: &Plain<T>) {
     check_bound(s, &base, &exact, false);
     for isa in Isa::available() {
         let got: (Vec<f32>, Vec<f32>) = run(s, How::Fast(isa_exec(isa)), SEED);
+        // A `Workers` team of three (uneven shares on any machine) gives the rayon pool's bits.
+        let team = Exec { par: Par::Workers(paged_qkv::Workers::shared(3).unwrap()), isa: Some(isa) };
+        let on_team: (Vec<f32>, Vec<f32>) = run(s, How::Fast(team), SEED);
+        assert!(same_bits(&on_team, &got), "{isa:?}: Workers and rayon differ");
         if isa == Isa::Avx512Bf16 && T::DTYPE == DType::BF16 {
             // Bit for bit against the emulation; within the bound (with flushes) of the oracle.
             let sb: &Plain<bf16> = unsafe_cast(s);

@@ -17,7 +17,10 @@ use paged_qkv::{
 fn execs() -> Vec<Exec> {
     Isa::available()
         .into_iter()
-        .flat_map(|isa| [Par::Sequential, Par::Rayon].map(|par| Exec { par, isa: Some(isa) }))
+        .flat_map(|isa| {
+            [Par::Sequential, Par::Rayon, Par::Workers(paged_qkv::Workers::shared(3).unwrap())]
+                .map(|par| Exec { par, isa: Some(isa) })
+        })
         .collect()
 }
 
@@ -1188,4 +1191,5 @@ fn miri_rope_and_kv_store_parallel() {
     let want = run(None);
     assert_eq!(run(Some(Exec::sequential())), want);
     assert_eq!(crate::in_pool(2, || run(Some(Exec::default()))), want);
+    assert_eq!(run(Some(Exec::on(paged_qkv::Workers::shared(2).unwrap()))), want);
 }

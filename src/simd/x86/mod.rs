@@ -3,6 +3,7 @@
 pub(super) mod fp4;
 pub(super) mod fp8;
 pub(super) mod plain;
+pub(super) mod quant;
 pub(super) mod rope;
 
 /// A `prefetcht0` of the line holding `p`: a hint with no memory access semantics, so `p` may

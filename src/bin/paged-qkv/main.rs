@@ -4,16 +4,15 @@
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use paged_qkv::case::{self, Case, MakeOptions, Mode, Op, Tolerance};
-use paged_qkv::fast::{self, PackedPlainWeights, QkvFp4PackedArgs, QkvRaggedPackedArgs};
+use paged_qkv::fast::{self, QkvFp4PackedArgs};
 use paged_qkv::formats::quantize::{amax, nvfp4_global_scale, quantize};
 use paged_qkv::formats::scale_layout::ScaleLayout;
 use paged_qkv::formats::{BlockFormat, QuantizedMatrix};
 use paged_qkv::ops::{Freqs, QkvRope};
 use paged_qkv::{
-    Accumulation, CacheShape, Element, Exec, Isa, KvWrite, PackedWeights, PageTable, PagedKvCache, QkvFp4Args,
-    RopeMath, bf16, f16, reference,
+    Accumulation, CacheShape, Exec, Isa, KvWrite, PackedWeights, PageTable, PagedKvCache, QkvFp4Args, RopeMath, bf16,
+    reference,
 };
-use rayon::prelude::*;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
@@ -27,8 +26,8 @@ static STDOUT_CLOSED: AtomicBool = AtomicBool::new(false);
 
 /// `println!` that ends quietly on a broken pipe instead of panicking.
 macro_rules! outln {
-    () => { out_line(format_args!("")) };
-    ($($t:tt)*) => { out_line(format_args!($($t)*)) };
+    () => { $crate::out_line(format_args!("")) };
+    ($($t:tt)*) => { $crate::out_line(format_args!($($t)*)) };
 }
 
 fn out_line(args: std::fmt::Arguments<'_>) {
@@ -41,6 +40,8 @@ fn out_line(args: std::fmt::Arguments<'_>) {
         STDOUT_CLOSED.store(true, Ordering::Relaxed);
     }
 }
+
+mod bench;
 
 #[derive(Parser)]
 #[command(
@@ -277,6 +278,20 @@ enum Cmd {
         /// Force an instruction set (scalar, avx2, avx512, avx512bf16, neon) instead of the best.
         #[arg(long, value_parser = parse_isa)]
         isa: Option<Isa>,
+        /// What runs a multi-threaded call: a `Workers` team (a server's setup) or a rayon pool.
+        #[arg(long, value_enum, default_value = "workers")]
+        par: bench::ParArg,
+        /// A whole decode step instead: every layer of the model (32 for Llama-3-8B, 24 for
+        /// Qwen2.5-0.5B) for a batch of sequences of one new token each, by thread count, on a rayon
+        /// pool and a `Workers` team (default formats nvfp4 and bf16).
+        #[arg(long)]
+        decode_step: bool,
+        /// Sequences per decode step (repeatable or comma-separated; default 1, 8, 32).
+        #[arg(long, value_delimiter = ',', requires = "decode_step")]
+        batch: Vec<usize>,
+        /// Layers of the decode step (default: the model's).
+        #[arg(long, requires = "decode_step")]
+        layers: Option<usize>,
     },
     /// The instruction sets the fast paths can use on this CPU (the best is the default).
     Isa {
@@ -342,7 +357,12 @@ fn main() -> ExitCode {
             make_case(op.into(), model.shape(), batch, seed, format.into(), f8_dtypes, &out).map(|_| 0)
         }
         Cmd::Demo { threads } => pool(threads).and_then(|p| p.install(demo)).map(|_| 0),
-        Cmd::Bench { model, threads, dtype, isa } => bench(model.shape(), threads, &dtype, isa).map(|_| 0),
+        Cmd::Bench { model, threads, dtype, isa, par, decode_step: false, .. } => {
+            bench::bench(model.shape(), threads, &dtype, isa, par).map(|_| 0)
+        }
+        Cmd::Bench { model, threads, dtype, isa, decode_step: true, batch, layers, .. } => {
+            bench::decode_step(model.shape(), threads, &dtype, isa, &batch, layers).map(|_| 0)
+        }
         Cmd::Isa { available } => {
             isa(available);
             Ok(0)
@@ -677,177 +697,4 @@ fn demo() -> Result<(), Bad> {
     );
     outln!("  total {:.1?}", t0.elapsed());
     Ok(())
-}
-
-/// Median of repeated runs (at least 5, up to 0.5 s), after one warm-up run.
-fn time(f: &mut (dyn FnMut() + Send)) -> f64 {
-    f();
-    let mut v = Vec::new();
-    let t0 = Instant::now();
-    while v.len() < 5 || (t0.elapsed().as_secs_f64() < 0.5 && v.len() < 200) {
-        let t = Instant::now();
-        f();
-        v.push(t.elapsed().as_secs_f64());
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
-/// A plain read of `bytes` (all threads of the current pool).
-fn read_bytes(bytes: &[u8]) {
-    let x: u64 = bytes
-        .par_chunks(1 << 16)
-        .map(|c| c.chunks_exact(8).fold(0u64, |a, b| a ^ u64::from_le_bytes(b.try_into().unwrap_or([0; 8]))))
-        .reduce(|| 0, |a, b| a ^ b);
-    std::hint::black_box(x);
-}
-
-fn bench(m: case::ModelShape, threads: Option<usize>, dtypes: &[DtypeArg], isa: Option<Isa>) -> Result<(), Bad> {
-    let p = pool(threads)?;
-    let exec = Exec { isa, ..Exec::default() };
-    let (k, q_dim, n) = (m.hidden, m.q_heads * m.head, (m.q_heads + 2 * m.kv_heads) * m.head);
-    let mut rnd = uniform(1);
-    let w: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
-    outln!(
-        "paged-qkv bench: {} (K {k}, N {n}), {} threads, ISA {}",
-        m.name,
-        p.current_num_threads(),
-        isa.unwrap_or_else(Isa::best).name()
-    );
-    let dtypes = if dtypes.is_empty() { &[DtypeArg::Nvfp4, DtypeArg::Mxfp4][..] } else { dtypes };
-    let ms = [1usize, 8, 64, 512];
-    let pb = progress("bench", Some((dtypes.len() * ms.len()) as u64));
-    for &dt in dtypes {
-        // One closure per M that runs the fused op into a fresh bf16 paged cache.
-        let (name, bytes, mut runner): (&str, usize, Runner) = match dt {
-            DtypeArg::Nvfp4 | DtypeArg::Mxfp4 | DtypeArg::Mxfp8 => {
-                let format = match dt {
-                    DtypeArg::Nvfp4 => BlockFormat::Nvfp4,
-                    DtypeArg::Mxfp4 => BlockFormat::Mxfp4,
-                    _ => BlockFormat::Mxfp8,
-                };
-                let wq = quantize(format, &w, n, k, nvfp4_global_scale(amax(&w)))?;
-                let packed = std::sync::Arc::new(PackedWeights::new(wq.as_ref()));
-                let bytes = wq.data().len() + wq.scales().len();
-                let mut rnd = uniform(2);
-                let run = move |mm: usize| -> Box<dyn FnMut() + Send> {
-                    let x: Vec<f32> = (0..mm * k).map(|_| rnd()).collect();
-                    let a = quantize(format, &x, mm, k, nvfp4_global_scale(amax(&x))).expect("finite input");
-                    let packed = packed.clone();
-                    let mut c = BenchCache::new(m, mm, q_dim);
-                    Box::new(move || {
-                        let offs = [0, mm as u32];
-                        c.call(|out, kv, rope| {
-                            let args = QkvFp4PackedArgs {
-                                rope: Some(rope),
-                                ..QkvFp4PackedArgs::new(a.as_ref(), &offs, &packed, q_dim)
-                            };
-                            fast::qkv_fp4_ragged_packed(&args, out, kv, exec)
-                        });
-                    })
-                };
-                (format.name(), bytes, Box::new(run))
-            }
-            DtypeArg::Bf16 => plain_runner::<bf16>("bf16", &w, m, exec)?,
-            DtypeArg::F16 => plain_runner::<f16>("f16", &w, m, exec)?,
-            DtypeArg::F32 => plain_runner::<f32>("f32", &w, m, exec)?,
-        };
-        let junk = vec![1u8; bytes];
-        let read = p.install(|| time(&mut || read_bytes(&junk)));
-        pb.suspend(|| {
-            outln!(
-                "  {name}: weight {:.1} MB; plain read of the weight bytes {:.3} ms = {:.1} GB/s",
-                bytes as f64 / 1e6,
-                read * 1e3,
-                bytes as f64 / read / 1e9
-            );
-            outln!("    {:>5} {:>10} {:>9} {:>14} {:>12}", "M", "time", "GFLOP/s", "weight GB/s", "vs read");
-        });
-        for &mm in &ms {
-            let mut f = runner(mm);
-            let t = p.install(|| time(&mut *f));
-            pb.suspend(|| {
-                outln!(
-                    "    {mm:>5} {:>8.3}ms {:>9.1} {:>14.1} {:>11.2}x",
-                    t * 1e3,
-                    2.0 * (mm * n * k) as f64 / t / 1e9,
-                    bytes as f64 / t / 1e9,
-                    t / read
-                )
-            });
-            pb.inc(1);
-        }
-    }
-    pb.finish_and_clear();
-    Ok(())
-}
-
-type Runner = Box<dyn FnMut(usize) -> Box<dyn FnMut() + Send>>;
-
-/// The bench's runner for bf16/f16/f32 weights (packed once) and activations.
-fn plain_runner<T: Element>(
-    name: &'static str,
-    w: &[f32],
-    m: case::ModelShape,
-    exec: Exec,
-) -> Result<(&'static str, usize, Runner), Bad> {
-    let (k, q_dim) = (m.hidden, m.q_heads * m.head);
-    let wt: Vec<T> = w.iter().map(|&x| T::from_f32(x)).collect();
-    let packed = std::sync::Arc::new(PackedPlainWeights::new(&wt, k)?);
-    let bytes = std::mem::size_of_val(&wt[..]);
-    let mut rnd = uniform(2);
-    let run = move |mm: usize| -> Box<dyn FnMut() + Send> {
-        let x: Vec<T> = (0..mm * k).map(|_| T::from_f32(rnd())).collect();
-        let packed = packed.clone();
-        let mut c = BenchCache::new(m, mm, q_dim);
-        Box::new(move || {
-            let offs = [0, mm as u32];
-            c.call(|out, kv, rope| {
-                let rope = Some(rope);
-                let args = QkvRaggedPackedArgs {
-                    hidden_state: &x,
-                    input_row_offsets: &offs,
-                    weight: &packed,
-                    bias: None,
-                    q_dim,
-                    rope,
-                };
-                fast::qkv_ragged_packed(&args, out, kv, exec)
-            });
-        })
-    };
-    Ok((name, bytes, Box::new(run)))
-}
-
-/// A bf16 output and paged cache for `mm` new tokens of one sequence, and its RoPE table.
-struct BenchCache {
-    cache: PagedKvCache<bf16>,
-    lookup: Vec<u32>,
-    out: Vec<bf16>,
-    freqs: Vec<f32>,
-    head: usize,
-}
-
-impl BenchCache {
-    fn new(m: case::ModelShape, mm: usize, q_dim: usize) -> Self {
-        let shape = CacheShape::mha(mm.div_ceil(m.page) + 1, 1, m.page, m.kv_heads, m.head).expect("valid shape");
-        let lookup = (0..shape.num_blocks() as u32).collect();
-        let freqs = paged_qkv::freqs_cis(mm, m.head, m.rope_theta);
-        BenchCache { cache: PagedKvCache::zeros(shape), lookup, out: vec![bf16::ZERO; mm * q_dim], freqs, head: m.head }
-    }
-
-    /// Runs `f` with the output, the cache and the model's RoPE (NeoX halves, f32 math) to fuse.
-    fn call(&mut self, f: impl FnOnce(&mut [bf16], &mut KvWrite<'_, bf16>, QkvRope<'_>) -> paged_qkv::Result<()>) {
-        let rope = QkvRope {
-            freqs_cis: Freqs::F32(&self.freqs),
-            q_head_size: self.head,
-            rope_dim: self.head,
-            interleaved: false,
-            position_ids: None,
-            math: RopeMath::F32,
-        };
-        let table = PageTable::new(&self.lookup, self.lookup.len(), &[0]).expect("valid table");
-        let mut kv = KvWrite::new(self.cache.view_mut(), table, 0);
-        f(&mut self.out, &mut kv, rope).expect("valid call");
-    }
 }

@@ -1,0 +1,23 @@
+//! The activation quantizer's row body (`crate::formats::quantize`) compiled for AVX2 and
+//! AVX-512: the same source, vectorised at each width by the compiler.
+
+use crate::formats::BlockFormat;
+use crate::formats::quantize::quantize_row_body;
+
+/// [`quantize_row_body`] with AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub(in crate::simd) fn quantize_row_avx2(format: BlockFormat, row: &[f32], g: f32, data: &mut [u8], scales: &mut [u8]) {
+    quantize_row_body(format, row, g, data, scales)
+}
+
+/// [`quantize_row_body`] with AVX-512 F and BW.
+#[target_feature(enable = "avx2,fma,avx512f,avx512bw")]
+pub(in crate::simd) fn quantize_row_avx512(
+    format: BlockFormat,
+    row: &[f32],
+    g: f32,
+    data: &mut [u8],
+    scales: &mut [u8],
+) {
+    quantize_row_body(format, row, g, data, scales)
+}
