@@ -658,17 +658,17 @@ pub fn rope_bshd<T: Element, C: Element>(
         q_heads: (args.num_q_heads, d),
         k_heads: (shape.num_kv_heads(), d),
     };
-    let parallel = exec.team();
+    let team = exec.team();
     // As in `rope_ragged`: no pass over the rows where none is needed.
     if let Some(slots) = rope_bshd_slots(args, output.len(), kv) {
         let slots = Seqs { slots, ids: None };
-        rope_rows(token, parallel, &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
+        rope_rows(token, team, &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
         return Ok(());
     }
     let (plan, positions) = validate_rope_bshd(args, output.len(), kv)?;
     let bases = slot_bases(&plan, &shape, kv.layer_idx, 0);
     let slots = Planned { bases: &bases, positions: &positions };
-    rope_rows(token, parallel, &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
+    rope_rows(token, team, &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
     Ok(())
 }
 
@@ -719,19 +719,19 @@ pub fn rope_ragged<T: Element, F: Element, C: Element>(
         q_heads: (args.num_q_heads, args.q_head_size),
         k_heads: (shape.num_kv_heads(), shape.head_size()),
     };
-    let parallel = exec.team();
+    let team = exec.team();
     // The usual call (no two written pages in one block, nothing invalid) needs no pass over its
     // rows before the kernels: each row finds its slot from its sequence when it is rotated.
     // Otherwise the full validation finds the error, or checks every slot and lists them.
     if let Some(slots) = rope_ragged_slots(args, output.len(), kv) {
         let slots = Seqs { slots, ids: args.position_ids };
-        rope_rows(token, parallel, &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
+        rope_rows(token, team, &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
         return Ok(());
     }
     let (plan, positions) = validate_rope_ragged(args, output.len(), kv)?;
     let bases = slot_bases(&plan, &shape, kv.layer_idx, 0);
     let slots = Planned { bases: &bases, positions: &positions };
-    rope_rows(token, parallel, &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
+    rope_rows(token, team, &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
     Ok(())
 }
 

@@ -46,11 +46,6 @@ pub(crate) fn e5m3_from_e4m3_scale(b: u8) -> Option<u8> {
     Some((((e + 15) as u32) << 3 | m) as u8)
 }
 
-/// Fills `n` packed units on `team`.
-fn fill_chunks<T: Send>(data: &mut [T], chunk: usize, team: Team, f: impl Fn(usize, &mut [T]) + Sync + Send) {
-    team.chunks_mut(data, chunk, f);
-}
-
 /// A block-scaled weight `[N, K]` (NVFP4, MXFP4, MXFP8) repacked once for the fast kernels
 /// (ggml-style repack): a server builds it at load time and passes it to every call of
 /// [`qkv_fp4_ragged_packed`](crate::fast::qkv_fp4_ragged_packed) (see the `serve_decode` example).
@@ -114,7 +109,7 @@ impl PackedWeights {
             let pairs = v / 8;
             let gbytes = kb * pairs * 64;
             let mut data = vec![0u8; groups * gbytes];
-            fill_chunks(&mut data, gbytes, team, |g, d| {
+            team.chunks_mut(&mut data, gbytes, |g, d| {
                 for c in 0..GROUP.min(n.saturating_sub(g * GROUP)) {
                     let row = w.row(g * GROUP + c);
                     let code = |kk: usize| if kk < k { fp4_code(row, kk) } else { 0 };
@@ -134,7 +129,7 @@ impl PackedWeights {
             // (one 16-byte load per k feeds 16 columns), zero padded to kb·V.
             let kp = kb * v;
             let mut data = vec![0u8; groups * GROUP * kp];
-            fill_chunks(&mut data, GROUP * kp, team, |g, d| {
+            team.chunks_mut(&mut data, GROUP * kp, |g, d| {
                 for c in 0..GROUP.min(n.saturating_sub(g * GROUP)) {
                     for (kk, &b) in w.row(g * GROUP + c).iter().enumerate() {
                         d[kk * GROUP + c] = b;
@@ -409,7 +404,7 @@ impl<T: Element> PackedPlainWeights<T> {
             PlainKind::F32 => x.to_f32().to_bits(),
             _ => x.to_bits(),
         };
-        fill_chunks(&mut data, glen, team, |g, d| {
+        team.chunks_mut(&mut data, glen, |g, d| {
             let cols = GROUP.min(n - g * GROUP);
             kind.pack_group(d, pairs, cols, k, |kk, c| bits(weight[(g * GROUP + c) * k + kk]));
         });
