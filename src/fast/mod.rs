@@ -331,14 +331,16 @@ fn run_fp4<D: Dest>(
     token: IsaToken,
     head: usize,
 ) {
-    let acts = Fp4Acts::prepare(a);
+    let team = exec.team();
+    let acts = Fp4Acts::prepare(a, token, team);
     let src = Fp4Operands { w, a: &acts, tensor_sf };
     // At least 128 columns (two heads of Qwen2.5-0.5B's 64): measured there on one thread,
     // M = 1 17.4 → 16.2 µs and M = 512 5.77 → 5.24 ms (fewer tasks, each operand set built once).
     // (Head-wide panels for calls of one row tile on several threads, so that two threads'
     // shares of Qwen's tasks come out even, 18 tasks instead of 9, measured slower: 2 threads
-    // M = 1 8 → 9 µs, Zen 5, three alternating runs of `paged-qkv bench`.)
-    let team = exec.team();
+    // M = 1 8 → 9 µs, Zen 5, three alternating runs of `paged-qkv bench`. Nor did wider panels
+    // that two threads share evenly, 6 of 192 columns instead of 9 of 128: bimodal, 4.9–5.2 µs
+    // or 7.8–8.4 µs a call against 4.9–5.1 µs, three alternating runs of `bench --decode-step`.)
     let panels = Panels::new(w.rows(), Panels::target(head).max(128), |c| dest.may_cut(c));
     run(&src, dest, a.rows(), token, team, &panels);
 }

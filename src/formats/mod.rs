@@ -156,6 +156,16 @@ impl<'a> QuantizedRef<'a> {
     pub fn scale_byte(&self, r: usize, kb: usize) -> u8 {
         self.scales[self.scale_layout().offset(r, kb)]
     }
+    /// The scale bytes of row `r` into `out` (`k_blocks` long): runs of four blocks, one per
+    /// 5-D tile (`scale_byte` of block `kb` is at the row's first offset `+ (kb/4) · 512 + kb % 4`).
+    pub(crate) fn scale_row(&self, r: usize, out: &mut [u8]) {
+        const TILE: usize = 32 * 4 * 4;
+        let base = self.scale_layout().offset(r, 0);
+        for (t, run) in out.chunks_mut(4).enumerate() {
+            let at = base + t * TILE;
+            run.copy_from_slice(&self.scales[at..at + run.len()]);
+        }
+    }
     /// Decoded scale of row `r`, block `kb` (`|E4M3|` or E8M0).
     #[inline]
     pub fn scale(&self, r: usize, kb: usize) -> f32 {

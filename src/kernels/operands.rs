@@ -410,6 +410,7 @@ mod tests {
     use crate::formats::QuantizedMatrix;
     use crate::formats::quantize::{amax, nvfp4_global_scale, quantize};
     use crate::formats::scale_layout::ScaleLayout;
+    use crate::kernels::team::Team;
     use crate::simd::fp4::group_scalar;
     use crate::simd::{Isa, fp4_group_v, fp4_mr, fp4_row_v, fp8_row_v, row_rows};
 
@@ -433,7 +434,7 @@ mod tests {
             let aq = quantize(format, &af, m, k, nvfp4_global_scale(amax(&af))).unwrap();
             let codes: std::collections::HashSet<u8> = wq.data().iter().flat_map(|b| [b & 15, b >> 4]).collect();
             assert_eq!(codes.len(), 16, "every E2M1 code in the weights");
-            let (w, a) = (PackedWeights::new(wq.as_ref()), Fp4Acts::prepare(aq.as_ref()));
+            let (w, a) = (PackedWeights::new(wq.as_ref()), Fp4Acts::prepare(aq.as_ref(), token, Team::One));
             let rows: Vec<usize> = (0..m).collect();
             for count in 1..=fp4_mr(token) {
                 let r = a.fp4_rows(&rows[m - count..]);
@@ -514,7 +515,7 @@ mod tests {
             // Row 1: the activation bytes in another order, and other scales.
             let a2: Vec<u8> = adata.iter().chain(adata.iter().rev()).copied().collect();
             let aq = mx(2, a2, &|r, b| if r == 0 { as_(r, b) } else { as_(r, b + 1) });
-            let a = Fp4Acts::prepare(aq.as_ref());
+            let a = Fp4Acts::prepare(aq.as_ref(), scalar, Team::One);
             let gs = std::array::from_fn(|g| w.fp8_group(g));
             let (mut w0, mut w1) = ([[0f32; GROUP]; ROW_GROUPS], [[0f32; GROUP]; ROW_GROUPS]);
             fp8_row_v(scalar, false, &gs, &a.fp8_rows(&[0]), [&mut w0]);

@@ -19,16 +19,16 @@
 use super::team::Team;
 use crate::element::Element;
 use crate::error::Result;
-use crate::formats::fp4::{e2m1_doubled, fp4_code};
-use crate::formats::fp8::{e4m3_scale_to_f32, e4m3_to_f32};
+use crate::formats::fp4::fp4_code;
+use crate::formats::fp8::e4m3_scale_to_f32;
 use crate::formats::scale_layout::ScaleLayout;
 use crate::formats::{BlockFormat, QuantizedMatrix, QuantizedRef};
 use crate::ops::weight_rows;
 use crate::pool::{Poolable, Pooled};
-use crate::simd::fp4::{E5M3_ACT_EXP, E8M0_ACT_BIAS, Fp4Group, Fp4Rows, ScaleKind};
-use crate::simd::fp8::{E8M0_FP8_ACT_BIAS, Fp8Group, Fp8Rows};
+use crate::simd::fp4::{ActRow, Fp4Group, Fp4Rows, ScaleKind};
+use crate::simd::fp8::{Fp8Group, Fp8Rows};
 use crate::simd::plain::{PackedRows, PlainKind, PlainPanel};
-use crate::simd::{GROUP, IsaToken, MR};
+use crate::simd::{GROUP, IsaToken, MR, prepare_row};
 use std::marker::PhantomData;
 
 /// The unsigned E5M3 byte (bias 15) of `|E4M3 scale byte|`, exact; `None` for NaN.
@@ -232,10 +232,28 @@ impl PackedWeights {
     }
 }
 
-/// 2^e for the exponents the packers use, built from its bits (exact by construction; `powi` is
-/// not guaranteed exact).
-const fn pow2(e: i32) -> f32 {
-    f32::from_bits(((e + 127) as u32) << 23)
+/// Fewest activation elements (`M · K`) [`Fp4Acts::prepare`] spreads over the team: below
+/// them the hand-off costs more than the preparation (~0.4 ns an element on one thread).
+const PREPARE_PARALLEL_ELEMENTS: usize = 1 << 16;
+
+/// `buf` in `per`-long pieces, or endless empty pieces when it is empty (a buffer the format
+/// does not use), so that it zips with the others.
+fn cut<T>(buf: &mut [T], per: usize) -> impl Iterator<Item = &mut [T]> {
+    let unused = buf.is_empty();
+    buf.chunks_mut(per.max(1)).chain(std::iter::repeat_with(Default::default).take(if unused { usize::MAX } else { 0 }))
+}
+
+/// Rows `r0 ..` of [`Fp4Acts`]' buffers (a format's unused buffers empty).
+struct Piece<'s> {
+    r0: usize,
+    a8: &'s mut [i8],
+    af: &'s mut [f32],
+    corr: &'s mut [i32],
+    sc: &'s mut [u32],
+    scf: &'s mut [f32],
+    raw: &'s mut [u8],
+    nan: &'s mut [bool],
+    min: &'s mut [u8],
 }
 
 /// Block-scaled activations prepared once per call.
@@ -257,11 +275,12 @@ pub(crate) struct Fp4Acts {
 }
 
 impl Fp4Acts {
-    pub fn prepare(a: QuantizedRef<'_>) -> Self {
-        let (format, m, k) = (a.format(), a.rows(), a.k());
-        let v = format.vector_size();
+    /// Prepares `a`'s rows with `token`'s build of [`prepare_row`] (vectorised), on `team` where
+    /// the call has enough rows for it to pay (a decode's row stays on the calling thread).
+    pub fn prepare(a: QuantizedRef<'_>, token: IsaToken, team: Team) -> Self {
+        let (format, m) = (a.format(), a.rows());
         let kb = a.k_blocks();
-        let kp = kb * v;
+        let kp = kb * format.vector_size();
         let mut acts = Fp4Acts {
             a8: Pooled::new(),
             af: Pooled::new(),
@@ -282,53 +301,46 @@ impl Fp4Acts {
         if format != BlockFormat::Nvfp4 {
             acts.scf.resize(m * kb, 0.0);
         }
-        // E4M3 through a table (measured: the per-element decode was 4 % of an M = 512 call).
-        let e4m3: [f32; 256] = if format.is_fp4() { [0.0; 256] } else { std::array::from_fn(|b| e4m3_to_f32(b as u8)) };
-        for r in 0..m {
-            let row = a.row(r);
-            if format.is_fp4() {
-                // Two elements per byte (low nibble first), doubled E2M1.
-                let dst = &mut acts.a8[r * kp..r * kp + k];
-                for (d, &byte) in dst.as_chunks_mut::<2>().0.iter_mut().zip(row) {
-                    *d = [e2m1_doubled(byte), e2m1_doubled(byte >> 4)];
-                }
-                if k % 2 == 1 {
-                    dst[k - 1] = e2m1_doubled(fp4_code(row, k - 1));
-                }
-            } else {
-                for (d, &b) in acts.af[r * kp..r * kp + k].iter_mut().zip(&row[..k]) {
-                    *d = e4m3[b as usize];
-                }
-            }
-            let mut min = u8::MAX;
-            for b in 0..kb {
-                let byte = a.scale_byte(r, b);
-                let i = r * kb + b;
-                acts.raw[i] = byte;
-                min = min.min(byte);
-                if format.is_fp4() {
-                    acts.corr[i] =
-                        12 * acts.a8[r * kp + b * v..r * kp + (b + 1) * v].iter().map(|&x| x as i32).sum::<i32>();
-                }
-                acts.sc[i] = match format {
-                    BlockFormat::Nvfp4 => {
-                        let s = e4m3_scale_to_f32(byte);
-                        acts.nan_row[r] |= s.is_nan();
-                        (if s.is_nan() { 0.0 } else { s * pow2(E5M3_ACT_EXP) }).to_bits()
-                    }
-                    BlockFormat::Mxfp4 => {
-                        acts.nan_row[r] |= byte == 0xFF;
-                        acts.scf[i] = (byte as i32 - E8M0_ACT_BIAS) as f32;
-                        (byte as i32 - E8M0_ACT_BIAS) as u32
-                    }
-                    BlockFormat::Mxfp8 => {
-                        acts.nan_row[r] |= byte == 0xFF;
-                        acts.scf[i] = (byte as i32 - E8M0_FP8_ACT_BIAS) as f32;
-                        (byte as i32 - E8M0_FP8_ACT_BIAS) as u32
-                    }
+        // Pieces of `per` rows: one for a call of few rows, else about four per thread.
+        let threads = team.threads();
+        let per = if threads > 1 && m * kp >= PREPARE_PARALLEL_ELEMENTS { m.div_ceil(4 * threads) } else { m.max(1) };
+        let pieces = cut(&mut acts.a8, per * kp)
+            .zip(cut(&mut acts.af, per * kp))
+            .zip(cut(&mut acts.corr, per * kb).zip(cut(&mut acts.sc, per * kb)))
+            .zip(cut(&mut acts.scf, per * kb).zip(cut(&mut acts.raw, per * kb)))
+            .zip(acts.nan_row.chunks_mut(per).zip(acts.min_scale.chunks_mut(per)))
+            .enumerate()
+            .map(|(i, ((((a8, af), (corr, sc)), (scf, raw)), (nan, min)))| Piece {
+                r0: i * per,
+                a8,
+                af,
+                corr,
+                sc,
+                scf,
+                raw,
+                nan,
+                min,
+            });
+        let fill = |p: Piece<'_>| {
+            for j in 0..p.nan.len() {
+                let r = p.r0 + j;
+                let raw = &mut p.raw[j * kb..(j + 1) * kb];
+                a.scale_row(r, raw);
+                let row = ActRow {
+                    a8: p.a8.get_mut(j * kp..(j + 1) * kp).unwrap_or_default(),
+                    af: p.af.get_mut(j * kp..(j + 1) * kp).unwrap_or_default(),
+                    corr: &mut p.corr[j * kb..(j + 1) * kb],
+                    sc: &mut p.sc[j * kb..(j + 1) * kb],
+                    scf: p.scf.get_mut(j * kb..(j + 1) * kb).unwrap_or_default(),
+                    raw,
                 };
+                (p.nan[j], p.min[j]) = prepare_row(token, format, a.row(r), a.k(), row);
             }
-            acts.min_scale[r] = min;
+        };
+        if per >= m {
+            pieces.for_each(fill);
+        } else {
+            team.each(pieces, fill);
         }
         acts
     }
@@ -575,5 +587,120 @@ impl PlainActs {
     /// Element k of row r, widened to f32 (exact).
     pub fn get(&self, r: usize, k: usize) -> f32 {
         self.rows(false).get(r, k)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::formats::fp4::e2m1_doubled;
+    use crate::formats::fp8::e4m3_to_f32;
+    use crate::simd::Isa;
+    use crate::simd::fp4::{E5M3_ACT_EXP, E8M0_ACT_BIAS, e4m3_f32_bits, nvfp4_act_scale_bits};
+    use crate::simd::fp8::E8M0_FP8_ACT_BIAS;
+
+    /// The vectorisable decodes equal the formulas for every byte.
+    #[test]
+    fn branch_free_decodes_equal_the_formulas() {
+        for b in 0..=255u8 {
+            assert_eq!(e4m3_f32_bits(b), e4m3_to_f32(b).to_bits(), "E4M3 {b:#04x}");
+            let s = e4m3_scale_to_f32(b);
+            let want = if s.is_nan() { 0 } else { (s * f32::from_bits(((E5M3_ACT_EXP + 127) as u32) << 23)).to_bits() };
+            assert_eq!(nvfp4_act_scale_bits(b), (want, s.is_nan()), "NVFP4 scale {b:#04x}");
+        }
+    }
+
+    /// What [`Fp4Acts::prepare`] computes, element by element from the formulas.
+    fn expected(a: QuantizedRef<'_>) -> Fp4Acts {
+        let (format, m, k) = (a.format(), a.rows(), a.k());
+        let (v, kb) = (format.vector_size(), a.k_blocks());
+        let kp = kb * v;
+        let mut e = Fp4Acts {
+            a8: Pooled::filled(0, if format.is_fp4() { m * kp } else { 0 }),
+            af: Pooled::filled(0.0, if format.is_fp4() { 0 } else { m * kp }),
+            corr: Pooled::filled(0, m * kb),
+            sc: Pooled::filled(0, m * kb),
+            scf: Pooled::filled(0.0, if format == BlockFormat::Nvfp4 { 0 } else { m * kb }),
+            raw: Pooled::filled(0, m * kb),
+            nan_row: Pooled::filled(false, m),
+            min_scale: Pooled::filled(u8::MAX, m),
+            kp,
+            kb,
+        };
+        for r in 0..m {
+            for i in 0..k {
+                if format.is_fp4() {
+                    e.a8[r * kp + i] = e2m1_doubled(fp4_code(a.row(r), i));
+                } else {
+                    e.af[r * kp + i] = e4m3_to_f32(a.row(r)[i]);
+                }
+            }
+            for b in 0..kb {
+                let (i, byte) = (r * kb + b, a.scale_byte(r, b));
+                e.raw[i] = byte;
+                e.min_scale[r] = e.min_scale[r].min(byte);
+                if format.is_fp4() {
+                    e.corr[i] = 12 * (0..v).map(|j| e.a8[r * kp + b * v + j] as i32).sum::<i32>();
+                }
+                let off = match format {
+                    BlockFormat::Nvfp4 => {
+                        let s = e4m3_scale_to_f32(byte);
+                        e.nan_row[r] |= s.is_nan();
+                        e.sc[i] = if s.is_nan() { 0 } else { (s * 2f32.powi(E5M3_ACT_EXP)).to_bits() };
+                        continue;
+                    }
+                    BlockFormat::Mxfp4 => E8M0_ACT_BIAS,
+                    BlockFormat::Mxfp8 => E8M0_FP8_ACT_BIAS,
+                };
+                e.nan_row[r] |= byte == 0xFF;
+                e.sc[i] = (byte as i32 - off) as u32;
+                e.scf[i] = (byte as i32 - off) as f32;
+            }
+        }
+        e
+    }
+
+    fn same(x: &Fp4Acts, y: &Fp4Acts) -> bool {
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        x.a8[..] == y.a8[..]
+            && bits(&x.af) == bits(&y.af)
+            && x.corr[..] == y.corr[..]
+            && x.sc[..] == y.sc[..]
+            && bits(&x.scf) == bits(&y.scf)
+            && x.raw[..] == y.raw[..]
+            && x.nan_row[..] == y.nan_row[..]
+            && x.min_scale[..] == y.min_scale[..]
+            && (x.kp, x.kb) == (y.kp, y.kb)
+    }
+
+    /// Every ISA's build, on one thread and spread over a team (a call large enough to be cut
+    /// into pieces, with a partial last piece), prepares every byte (NaN codes and scales
+    /// included) as the formulas do, for each format and for K not a whole number of blocks.
+    #[test]
+    fn prepare_equals_the_formulas_on_every_isa_and_team() {
+        let workers: &'static crate::Workers = Box::leak(Box::new(crate::Workers::new(3).unwrap()));
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut byte = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 24) as u8
+        };
+        for format in [BlockFormat::Nvfp4, BlockFormat::Mxfp4, BlockFormat::Mxfp8] {
+            for (m, k) in [(1usize, 4096usize), (3, 70), (37, 2048), (2, 18)] {
+                let layout = ScaleLayout::new(m, k.div_ceil(format.vector_size()));
+                let data: Vec<u8> = (0..m * format.row_bytes(k)).map(|_| byte()).collect();
+                let scales: Vec<u8> = (0..layout.len()).map(|_| byte()).collect();
+                let q = QuantizedMatrix::from_parts(format, m, k, data, scales, 1.0).unwrap();
+                let want = expected(q.as_ref());
+                for isa in Isa::available() {
+                    let token = IsaToken::new(Some(isa)).unwrap();
+                    for team in [Team::One, Team::Rayon, Team::Workers(workers)] {
+                        let got = Fp4Acts::prepare(q.as_ref(), token, team);
+                        assert!(same(&got, &want), "{format:?} m {m} k {k} {isa:?} {team:?}");
+                    }
+                }
+            }
+        }
     }
 }

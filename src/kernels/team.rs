@@ -47,6 +47,30 @@ impl Team {
         }
     }
 
+    /// Runs `f(item)` for every item of `items`, in parallel unless `One` (each thread takes the
+    /// next item when it is free).
+    pub fn each<I: Iterator + Send>(self, items: I, f: impl Fn(I::Item) + Sync)
+    where
+        I::Item: Send,
+    {
+        match self {
+            Team::One => items.for_each(f),
+            Team::Rayon => items.par_bridge().for_each(&f),
+            Team::Workers(w) => {
+                let items = Mutex::new(items);
+                w.each_thread(&|_| {
+                    loop {
+                        let next = items.lock().unwrap_or_else(|e| e.into_inner()).next();
+                        match next {
+                            Some(item) => f(item),
+                            None => break,
+                        }
+                    }
+                });
+            }
+        }
+    }
+
     /// Runs `f(i, chunk)` for every `chunk`-long chunk of `data` (the last may be shorter), in
     /// parallel unless `One`.
     pub fn chunks_mut<T: Send>(self, data: &mut [T], chunk: usize, f: impl Fn(usize, &mut [T]) + Sync) {
@@ -56,18 +80,7 @@ impl Team {
         match self {
             Team::One => data.chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i, c)),
             Team::Rayon => data.par_chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i, c)),
-            Team::Workers(w) => {
-                let chunks = Mutex::new(data.chunks_mut(chunk).enumerate());
-                w.each_thread(&|_| {
-                    loop {
-                        let next = chunks.lock().unwrap_or_else(|e| e.into_inner()).next();
-                        match next {
-                            Some((i, c)) => f(i, c),
-                            None => break,
-                        }
-                    }
-                });
-            }
+            Team::Workers(_) => self.each(data.chunks_mut(chunk).enumerate(), |(i, c)| f(i, c)),
         }
     }
 }

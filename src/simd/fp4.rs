@@ -2,7 +2,8 @@
 //! memory) and the portable kernel, which defines the arithmetic every ISA reproduces bit for bit.
 
 use super::{GROUP, MR};
-use crate::formats::fp4::E2M1_DOUBLED;
+use crate::formats::BlockFormat;
+use crate::formats::fp4::{E2M1_DOUBLED, e2m1_doubled};
 
 /// How the block scales of a packed FP4 group are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,4 +110,101 @@ pub(crate) fn group_scalar(g: &Fp4Group<'_>, rows: &Fp4Rows<'_>, out: &mut [[f32
             out[r][c] = acc;
         }
     }
+}
+
+/// One activation row's prepared form (see `crate::kernels::pack::Fp4Acts`), filled by
+/// [`prepare_row_body`]: the buffers of one format (`a8` for the FP4 formats, `af` for MXFP8,
+/// `scf` for the MX formats; the others empty), `kp` and `kb` long, zero on entry.
+pub(crate) struct ActRow<'a> {
+    pub a8: &'a mut [i8],
+    pub af: &'a mut [f32],
+    pub corr: &'a mut [i32],
+    pub sc: &'a mut [u32],
+    pub scf: &'a mut [f32],
+    /// The row's scale bytes, `[kb]`.
+    pub raw: &'a [u8],
+}
+
+/// The f32 bits of an E4M3 byte's value (NaN for `0x7F`/`0xFF`, the default NaN), by integer
+/// selects the compiler vectorises (a 256-entry table it does not): a normal number's fields
+/// moved into an f32's (`e + 120`: bias 7 → 127), a subnormal one's `m · 2⁻⁹` (exact), the sign
+/// or-ed in. Equal to `e4m3_to_f32(b).to_bits()` for every byte (tested).
+#[inline(always)]
+pub(crate) fn e4m3_f32_bits(b: u8) -> u32 {
+    let x = b as u32;
+    let (e, m) = ((x >> 3) & 0xF, x & 7);
+    let normal = ((e + 120) << 23) | (m << 20);
+    let sub = (m as f32 * (1.0 / 512.0)).to_bits();
+    let v = ((x & 0x80) << 24) | if e == 0 { sub } else { normal };
+    if x & 0x7F == 0x7F { f32::NAN.to_bits() } else { v }
+}
+
+/// An NVFP4 activation scale byte as the kernels take it: the f32 bits of `|E4M3| · 2^110`
+/// ([`E5M3_ACT_EXP`]), and whether it is NaN (then 0), by the selects of [`e4m3_f32_bits`]
+/// (`2^110` folded into the exponent: `e + 230`; a subnormal's `m · 2⁻⁹ · 2^110 = m · 2^101`).
+#[inline(always)]
+pub(crate) fn nvfp4_act_scale_bits(b: u8) -> (u32, bool) {
+    const _: () = assert!(E5M3_ACT_EXP == 110);
+    let x = (b & 0x7F) as u32;
+    let (e, m) = (x >> 3, x & 7);
+    let normal = ((e + 230) << 23) | (m << 20);
+    let sub = (m as f32 * f32::from_bits((101 + 127) << 23)).to_bits();
+    let nan = x == 0x7F;
+    (
+        if nan {
+            0
+        } else if e == 0 {
+            sub
+        } else {
+            normal
+        },
+        nan,
+    )
+}
+
+/// Prepares one activation row (`data`: its `k` elements' bytes) into `out`; returns whether a
+/// scale is NaN and the smallest scale byte. Branch-free loops, so that the build for each ISA
+/// (`crate::simd::prepare_row`) vectorises them at its width (inlined there: a body compiled
+/// once would be the baseline's).
+#[inline(always)]
+pub(crate) fn prepare_row_body(format: BlockFormat, data: &[u8], k: usize, out: ActRow<'_>) -> (bool, u8) {
+    let v = format.vector_size();
+    if format.is_fp4() {
+        // Two elements per byte (low nibble first), doubled E2M1.
+        let dst = &mut out.a8[..k];
+        for (d, &byte) in dst.as_chunks_mut::<2>().0.iter_mut().zip(data) {
+            *d = [e2m1_doubled(byte), e2m1_doubled(byte >> 4)];
+        }
+        if k % 2 == 1 {
+            dst[k - 1] = e2m1_doubled(data[k / 2]);
+        }
+        for (c, block) in out.corr.iter_mut().zip(out.a8.chunks_exact(v)) {
+            *c = 12 * block.iter().map(|&x| x as i32).sum::<i32>();
+        }
+    } else {
+        for (d, &b) in out.af[..k].iter_mut().zip(&data[..k]) {
+            *d = f32::from_bits(e4m3_f32_bits(b));
+        }
+    }
+    let min = out.raw.iter().fold(u8::MAX, |m, &b| m.min(b));
+    let mut nan = false;
+    match format {
+        BlockFormat::Nvfp4 => {
+            for (s, &b) in out.sc.iter_mut().zip(out.raw) {
+                let (bits, n) = nvfp4_act_scale_bits(b);
+                *s = bits;
+                nan |= n;
+            }
+        }
+        BlockFormat::Mxfp4 | BlockFormat::Mxfp8 => {
+            let bias = if format == BlockFormat::Mxfp4 { E8M0_ACT_BIAS } else { super::fp8::E8M0_FP8_ACT_BIAS };
+            for ((s, f), &b) in out.sc.iter_mut().zip(out.scf.iter_mut()).zip(out.raw) {
+                let e = b as i32 - bias;
+                *s = e as u32;
+                *f = e as f32;
+                nan |= b == 0xFF;
+            }
+        }
+    }
+    (nan, min)
 }

@@ -279,6 +279,29 @@ pub(crate) fn quantize_row(
     crate::formats::quantize::quantize_row_body(format, row, g, data, scales)
 }
 
+/// Prepares one block-scaled activation row ([`fp4::prepare_row_body`]) compiled for `token`'s
+/// ISA, as [`quantize_row`]: the same values on every ISA (tested).
+pub(crate) fn prepare_row(
+    token: IsaToken,
+    format: crate::formats::BlockFormat,
+    data: &[u8],
+    k: usize,
+    out: fp4::ActRow<'_>,
+) -> (bool, u8) {
+    #[cfg(target_arch = "x86_64")]
+    match token.0 {
+        Isa::Avx512 | Isa::Avx512Bf16 => {
+            // SAFETY: the token proves AVX-512 F and BW (and AVX2, FMA) were detected.
+            return unsafe { x86::quant::prepare_row_avx512(format, data, k, out) };
+        }
+        // SAFETY: the token proves AVX2 and FMA were detected.
+        Isa::Avx2 => return unsafe { x86::quant::prepare_row_avx2(format, data, k, out) },
+        _ => {}
+    }
+    let _ = token;
+    fp4::prepare_row_body(format, data, k, out)
+}
+
 /// Rows per call of the FP4 group kernel of `token`'s ISA: 8 where 32 vector registers hold 8
 /// rows' integer and f32 accumulators (AVX-512: each weight load and nibble shuffle then feeds
 /// 16 `vpdpbusd` instead of 8), else 4.

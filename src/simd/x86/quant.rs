@@ -1,8 +1,10 @@
-//! The activation quantizer's row body (`crate::formats::quantize`) compiled for AVX2 and
+//! The activation quantizer's row body (`crate::formats::quantize`) and the block-scaled
+//! activations' row preparation (`crate::simd::fp4::prepare_row_body`) compiled for AVX2 and
 //! AVX-512: the same source, vectorised at each width by the compiler.
 
 use crate::formats::BlockFormat;
 use crate::formats::quantize::quantize_row_body;
+use crate::simd::fp4::{ActRow, prepare_row_body};
 
 /// [`quantize_row_body`] with AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
@@ -20,4 +22,16 @@ pub(in crate::simd) fn quantize_row_avx512(
     scales: &mut [u8],
 ) {
     quantize_row_body(format, row, g, data, scales)
+}
+
+/// [`prepare_row_body`] with AVX2.
+#[target_feature(enable = "avx2,fma")]
+pub(in crate::simd) fn prepare_row_avx2(format: BlockFormat, data: &[u8], k: usize, out: ActRow<'_>) -> (bool, u8) {
+    prepare_row_body(format, data, k, out)
+}
+
+/// [`prepare_row_body`] with AVX-512 F and BW.
+#[target_feature(enable = "avx2,fma,avx512f,avx512bw")]
+pub(in crate::simd) fn prepare_row_avx512(format: BlockFormat, data: &[u8], k: usize, out: ActRow<'_>) -> (bool, u8) {
+    prepare_row_body(format, data, k, out)
 }
