@@ -74,14 +74,8 @@ fn cache_for(model: &Model, m: usize) -> Cache {
 
 fn fused(a: &QuantizedMatrix, w: &PackedWeights, q_dim: usize, out: &mut [bf16], c: &mut Cache, exec: Exec) {
     let m = a.rows();
-    let args = QkvFp4PackedArgs {
-        hidden_state: a.as_ref(),
-        input_row_offsets: &[0, m as u32],
-        weight: w,
-        tensor_sf: a.tensor_scale() * w_scale(),
-        q_dim,
-        rope: None,
-    };
+    let offsets = [0, m as u32];
+    let args = QkvFp4PackedArgs::new(a.as_ref(), &offsets, w, q_dim).with_tensor_sf(a.tensor_scale() * w_scale());
     let table = PageTable::new(&c.lookup, c.lookup.len(), &c.lens).unwrap();
     let mut kv = KvWrite::new(c.cache.view_mut(), table, 0);
     qkv_fp4_ragged_packed(&args, out, &mut kv, exec).unwrap();
@@ -197,14 +191,8 @@ fn compute(c: &mut Criterion) {
                 let mut cache = cache_for(&model, 1);
                 g.bench_function("reference_sequential_nvfp4_t1", |b| {
                     b.iter(|| {
-                        let args = QkvFp4Args {
-                            hidden_state: a.as_ref(),
-                            input_row_offsets: &[0, 1],
-                            weight: wq0.as_ref(),
-                            tensor_sf: 1.0,
-                            q_dim: model.q_dim(),
-                            rope: None,
-                        };
+                        let args =
+                            QkvFp4Args::new(a.as_ref(), &[0, 1], wq0.as_ref(), model.q_dim()).with_tensor_sf(1.0);
                         let table = PageTable::new(&cache.lookup, cache.lookup.len(), &cache.lens).unwrap();
                         let mut kv = KvWrite::new(cache.cache.view_mut(), table, 0);
                         reference::qkv_fp4_ragged(&args, &mut out, &mut kv, Accumulation::Sequential).unwrap()

@@ -81,22 +81,13 @@ impl Cache {
 fn fused<T: Element>(x: &[T], w: &PackedPlainWeights<T>, q_dim: usize, out: &mut [bf16], c: &mut Cache, e: Exec) {
     let m = x.len() / w.k();
     let offs = [0, m as u32];
-    let args =
-        QkvRaggedPackedArgs { hidden_state: x, input_row_offsets: &offs, weight: w, bias: None, q_dim, rope: None };
+    let args = QkvRaggedPackedArgs::new(x, &offs, w, q_dim);
     paged_qkv::fast::qkv_ragged_packed(&args, out, &mut c.kv(), e).unwrap();
 }
 
 /// A padded BSHD batch of 8 sequences of 64 tokens with valid lengths `valid`.
 fn bshd(x: &[bf16], w: &PackedPlainWeights<bf16>, valid: &[u32; 8], q_dim: usize, out: &mut [bf16], c: &mut Cache) {
-    let args = QkvBshdPackedArgs {
-        hidden_state: x,
-        batch: 8,
-        seq_len: 64,
-        weight: w,
-        valid_lengths: valid,
-        q_dim,
-        rope: None,
-    };
+    let args = QkvBshdPackedArgs::new(x, (8, 64), w, valid, q_dim);
     paged_qkv::fast::qkv_bshd_packed(&args, out, &mut c.kv(), exec()).unwrap()
 }
 

@@ -29,14 +29,8 @@ fn bench(c: &mut Criterion) {
         for mode in [Accumulation::Sequential, Accumulation::Exact] {
             g.bench_function(format!("{}_{mode:?}", format.name()), |b| {
                 b.iter(|| {
-                    let args = QkvFp4Args {
-                        hidden_state: xq.as_ref(),
-                        input_row_offsets: &[0, m as u32],
-                        weight: wq.as_ref(),
-                        tensor_sf: 1.0,
-                        q_dim,
-                        rope: None,
-                    };
+                    let offsets = [0, m as u32];
+                    let args = QkvFp4Args::new(xq.as_ref(), &offsets, wq.as_ref(), q_dim).with_tensor_sf(1.0);
                     let table = PageTable::new(&[0], 1, &[0]).unwrap();
                     let mut kv = KvWrite::new(cache.view_mut(), table, 0);
                     qkv_fp4_ragged(black_box(&args), &mut out, &mut kv, mode).unwrap();

@@ -116,17 +116,8 @@ fn rope_args<'a, T: Element>(
     offs: &'a [u32],
     freqs: &'a [f32],
     interleaved: bool,
-) -> RopeRaggedArgs<'a, T, f32> {
-    RopeRaggedArgs {
-        q_proj: q,
-        input_row_offsets: offs,
-        num_q_heads: m.hq,
-        q_head_size: m.hd,
-        freqs_cis: freqs,
-        rope_dim: m.hd,
-        position_ids: None,
-        interleaved,
-    }
+) -> RopeRaggedArgs<'a, T> {
+    RopeRaggedArgs::new(q, offs, (m.hq, m.hd), freqs, m.hd, interleaved)
 }
 
 /// Standalone ragged RoPE (NeoX halves, or interleaved pairs in the `rope_interleaved` groups;
@@ -230,14 +221,7 @@ fn fused(c: &mut Criterion) {
     let pb = PackedPlainWeights::new(&wb, k).unwrap();
     for tokens in [1usize, 64, 512] {
         let freqs = paged_qkv::freqs_cis(tokens, m.hd, m.theta);
-        let rope = QkvRope {
-            freqs_cis: Freqs::F32(&freqs),
-            q_head_size: m.hd,
-            rope_dim: m.hd,
-            interleaved: false,
-            position_ids: None,
-            math: RopeMath::F32,
-        };
+        let rope = QkvRope::new(Freqs::F32(&freqs), m.hd, m.hd, false).with_math(RopeMath::F32);
         let xf: Vec<f32> = random(tokens * k, 6);
         let a = quantize(BlockFormat::Nvfp4, &xf, tokens, k, nvfp4_global_scale(amax(&xf))).unwrap();
         let xb: Vec<bf16> = xf.iter().map(|&x| bf16::from_f32(x)).collect();
@@ -245,18 +229,11 @@ fn fused(c: &mut Criterion) {
         let mut out = vec![bf16::ZERO; tokens * q_dim];
         let mut cache = cache_for::<bf16>(&m, tokens);
         let fp4 = |r: Option<QkvRope<'_>>, out: &mut [bf16], cache: &mut Cache<bf16>| {
-            let args = QkvFp4PackedArgs { rope: r, ..QkvFp4PackedArgs::new(a.as_ref(), &offs, &pw, q_dim) };
+            let args = QkvFp4PackedArgs::new(a.as_ref(), &offs, &pw, q_dim).maybe_rope(r);
             fast::qkv_fp4_ragged_packed(&args, out, &mut cache.kv(), exec()).unwrap()
         };
         let plain = |r: Option<QkvRope<'_>>, out: &mut [bf16], cache: &mut Cache<bf16>| {
-            let args = QkvRaggedPackedArgs {
-                hidden_state: &xb,
-                input_row_offsets: &offs,
-                weight: &pb,
-                bias: None,
-                q_dim,
-                rope: r,
-            };
+            let args = QkvRaggedPackedArgs::new(&xb, &offs, &pb, q_dim).maybe_rope(r);
             fast::qkv_ragged_packed(&args, out, &mut cache.kv(), exec()).unwrap()
         };
         type Op<'a> = &'a (dyn Fn(Option<QkvRope<'_>>, &mut [bf16], &mut Cache<bf16>) + Sync);
@@ -310,7 +287,7 @@ fn kv_store(c: &mut Criterion) {
             for threads in [1usize, 2] {
                 let p = pool(threads);
                 let mut kern = || {
-                    let args = KvStoreRaggedArgs { values: &vals, input_row_offsets: &offs, which: KvSel::K };
+                    let args = KvStoreRaggedArgs::new(&vals, &offs, KvSel::K);
                     fast::kv_store_ragged(&args, &mut cache.kv(), exec()).unwrap()
                 };
                 let mut base = || bufs.copy(threads);
@@ -342,7 +319,7 @@ fn small_calls(c: &mut Criterion) {
             let offs = [0, tokens as u32];
             let rope_args = rope_args(&m, &q, &offs, &freqs, false);
             let vals: Vec<bf16> = random(tokens * m.hkv * m.hd, 2);
-            let store_args = KvStoreRaggedArgs { values: &vals, input_row_offsets: &offs, which: KvSel::K };
+            let store_args = KvStoreRaggedArgs::new(&vals, &offs, KvSel::K);
             // Each side its own output and cache.
             let (mut out, mut out1) = (vec![bf16::default(); q.len()], vec![bf16::default(); q.len()]);
             let (mut cache, mut cache1) = (cache_for::<bf16>(&m, tokens), cache_for::<bf16>(&m, tokens));

@@ -12,10 +12,9 @@
 
 use paged_qkv::fast::{self, PackedWeights, QkvFp4PackedArgs};
 use paged_qkv::formats::quantize::{amax, nvfp4_global_scale, quantize};
-use paged_qkv::ops::{Freqs, QkvRope};
+use paged_qkv::ops::QkvRope;
 use paged_qkv::{
-    Accumulation, BlockFormat, CacheShape, Exec, KvWrite, PageTable, PagedKvCache, QkvFp4Args, RopeMath, Workers, bf16,
-    reference,
+    Accumulation, BlockFormat, CacheShape, Exec, KvWrite, PageTable, PagedKvCache, QkvFp4Args, Workers, bf16, reference,
 };
 use std::time::Instant;
 
@@ -43,14 +42,9 @@ fn main() -> paged_qkv::Result<()> {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let exec = Exec::on(Workers::shared(threads).expect("could not start the worker threads"));
     let freqs = paged_qkv::freqs_cis(4096, hd, 1e6);
-    let rope = QkvRope {
-        freqs_cis: Freqs::F32(&freqs),
-        q_head_size: hd,
-        rope_dim: hd,
-        interleaved: false, // NeoX halves, as Qwen and Llama checkpoints use
-        position_ids: None, // position = tokens already cached + index in this step
-        math: RopeMath::F32,
-    };
+    // NeoX halves (interleaved: false), as Qwen and Llama checkpoints use; each token at its
+    // position (tokens already cached + index in this step); F32 math.
+    let rope = QkvRope::new(&freqs, hd, hd, false);
     let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(num_blocks, 1, page, hkv, hd)?);
     let mut free: Vec<u32> = (0..num_blocks as u32).rev().collect();
 
@@ -87,7 +81,7 @@ fn main() -> paged_qkv::Result<()> {
         let before = (steps % 8 == 0).then(|| cache.clone());
         let table = PageTable::new(&lookup, cols, &cache_lengths)?;
         let mut kv = KvWrite::new(cache.view_mut(), table, 0);
-        let args = QkvFp4PackedArgs { rope: Some(rope), ..QkvFp4PackedArgs::new(a.as_ref(), &offsets, &weight, q_dim) };
+        let args = QkvFp4PackedArgs::new(a.as_ref(), &offsets, &weight, q_dim).with_rope(rope);
         fast::qkv_fp4_ragged_packed(&args, &mut q, &mut kv, exec)?;
 
         // Now and then: the same step through the oracle (exact accumulation), the largest
@@ -96,14 +90,9 @@ fn main() -> paged_qkv::Result<()> {
             let table = PageTable::new(&lookup, cols, &cache_lengths)?;
             let mut kv = KvWrite::new(scratch.view_mut(), table, 0);
             let mut q_ref = vec![bf16::ZERO; m * q_dim];
-            let args = QkvFp4Args {
-                hidden_state: a.as_ref(),
-                input_row_offsets: &offsets,
-                weight: wq.as_ref(),
-                tensor_sf: a.tensor_scale() * weight.tensor_scale(),
-                q_dim,
-                rope: Some(rope),
-            };
+            let args = QkvFp4Args::new(a.as_ref(), &offsets, wq.as_ref(), q_dim)
+                .with_tensor_sf(a.tensor_scale() * weight.tensor_scale())
+                .with_rope(rope);
             reference::qkv_fp4_ragged(&args, &mut q_ref, &mut kv, Accumulation::Exact)?;
             let ord = |b: u16| if b & 0x8000 != 0 { -((b & 0x7FFF) as i64) } else { b as i64 };
             for (f, e) in q.iter().zip(&q_ref) {

@@ -612,15 +612,10 @@ impl Case {
                 let valid = self.u32s("valid_lengths", Some(&[qs[0]]))?;
                 let q: Vec<O> = decode(&self.tensor("q_proj")?.data);
                 let f: Vec<O> = decode(&self.tensor("freqs_cis")?.data);
-                let args = ops::RopeBshdArgs {
-                    q_proj: &q,
-                    batch: qs[0],
-                    seq_len: qs[1],
-                    num_q_heads: qs[2],
-                    freqs_cis: &f,
-                    valid_lengths: &valid,
-                    interleaved: self.interleaved()?,
+                let Some(freqs) = ops::Freqs::of(&f) else {
+                    return err("`freqs_cis`: expected dtype BF16, F16 or F32, found F8_E4M3");
                 };
+                let args = ops::RopeBshdArgs::new(&q, (qs[0], qs[1], qs[2]), freqs, &valid, self.interleaved()?);
                 match mode {
                     Mode::Fast => fast::rope_bshd(&args, out, kv, self.rope_math()?, exec)?,
                     _ => reference::rope_bshd(&args, out, kv, self.rope_math()?)?,
@@ -651,14 +646,8 @@ impl Case {
                     ($f:ty) => {{
                         let f: Vec<$f> = decode(ft);
                         let args = ops::RopeRaggedArgs {
-                            q_proj: &q,
-                            input_row_offsets: &offsets,
-                            num_q_heads: qs[1],
-                            q_head_size: qs[2],
-                            freqs_cis: &f,
-                            rope_dim: fs[1],
                             position_ids: ids.as_deref(),
-                            interleaved: self.interleaved()?,
+                            ..ops::RopeRaggedArgs::new(&q, &offsets, (qs[1], qs[2]), &f, fs[1], self.interleaved()?)
                         };
                         match mode {
                             Mode::Fast => fast::rope_ragged(&args, out, kv, self.rope_math()?, exec)?,

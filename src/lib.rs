@@ -41,6 +41,6 @@ pub use formats::{BlockFormat, QuantizedMatrix, QuantizedRef};
 pub use half::{bf16, f16};
 pub use kernels::{PackedPlainWeights, PackedWeights};
 pub use ops::{
-    Accumulation, KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, RopeBshdArgs, RopeMath,
-    RopeRaggedArgs, freqs_cis,
+    Accumulation, Freqs, FreqsElement, KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs,
+    QkvRope, RopeBshdArgs, RopeMath, RopeRaggedArgs, freqs_cis,
 };

@@ -127,14 +127,7 @@ fn rope_table() -> Vec<f32> {
 
 /// Fused RoPE over whole heads of `HEAD` dims.
 fn qkv_rope(freqs: &[f32]) -> QkvRope<'_> {
-    QkvRope {
-        freqs_cis: Freqs::F32(freqs),
-        q_head_size: HEAD,
-        rope_dim: HEAD,
-        interleaved: false,
-        position_ids: None,
-        math: RopeMath::F32,
-    }
+    QkvRope::new(Freqs::F32(freqs), HEAD, HEAD, false).with_math(RopeMath::F32)
 }
 
 /// NVFP4 and MXFP8 (whose tiles of 16 rows or more decode their weights into a per-thread buffer).
@@ -157,7 +150,7 @@ fn packed_fp4_calls_do_not_allocate_in_steady_state() {
                 let offsets = [0u32, m as u32];
                 let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0, 1], 2, &[3]).unwrap(), 0);
                 let rope = with_rope.then(|| qkv_rope(&freqs));
-                let args = QkvFp4PackedArgs { rope, ..QkvFp4PackedArgs::new(a.as_ref(), &offsets, &packed, HQ * HEAD) };
+                let args = QkvFp4PackedArgs::new(a.as_ref(), &offsets, &packed, HQ * HEAD).maybe_rope(rope);
                 fast::qkv_fp4_ragged_packed(&args, &mut q[..m * HQ * HEAD], &mut kv, exec).unwrap();
             });
             assert!(
@@ -183,14 +176,7 @@ fn packed_bf16_calls_do_not_allocate_in_steady_state() {
             let offsets = [0u32, m as u32];
             let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&lookup, 8, &[3]).unwrap(), 0);
             let rope = with_rope.then(|| qkv_rope(&freqs));
-            let args = QkvRaggedPackedArgs {
-                hidden_state: &x[..m * K],
-                input_row_offsets: &offsets,
-                weight: &packed,
-                bias: None,
-                q_dim: HQ * HEAD,
-                rope,
-            };
+            let args = QkvRaggedPackedArgs::new(&x[..m * K], &offsets, &packed, HQ * HEAD).maybe_rope(rope);
             fast::qkv_ragged_packed(&args, &mut q[..m * HQ * HEAD], &mut kv, exec).unwrap();
         });
         assert!(found.iter().all(|f| f.3 == 0), "rope {with_rope}: (M, par, ISA, allocations) {found:?}");
@@ -211,16 +197,7 @@ fn rope_and_kv_store_calls_do_not_allocate_in_steady_state() {
         let found = steady(&[1, 9, M], |m, exec| {
             let offsets = [0u32, m as u32];
             let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&lookup, 16, &[3]).unwrap(), 0);
-            let args = RopeRaggedArgs {
-                q_proj: &q[..m * HQ * HEAD],
-                input_row_offsets: &offsets,
-                num_q_heads: HQ,
-                q_head_size: HEAD,
-                freqs_cis: &freqs,
-                rope_dim: HEAD,
-                position_ids: None,
-                interleaved,
-            };
+            let args = RopeRaggedArgs::new(&q[..m * HQ * HEAD], &offsets, (HQ, HEAD), &freqs, HEAD, interleaved);
             fast::rope_ragged(&args, &mut out[..m * HQ * HEAD], &mut kv, RopeMath::F32, exec).unwrap();
         });
         assert!(found.iter().all(|f| f.3 == 0), "interleaved {interleaved}: (M, par, ISA, allocations) {found:?}");
@@ -229,8 +206,7 @@ fn rope_and_kv_store_calls_do_not_allocate_in_steady_state() {
     let found = steady(&[1, 9, M], |m, exec| {
         let offsets = [0u32, m as u32];
         let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&lookup, 16, &[3]).unwrap(), 0);
-        let args =
-            KvStoreRaggedArgs { values: &values[..m * HKV * HEAD], input_row_offsets: &offsets, which: KvSel::V };
+        let args = KvStoreRaggedArgs::new(&values[..m * HKV * HEAD], &offsets, KvSel::V);
         fast::kv_store_ragged(&args, &mut kv, exec).unwrap();
     });
     assert!(found.iter().all(|f| f.3 == 0), "kv store: (M, par, ISA, allocations) {found:?}");

@@ -163,13 +163,10 @@ fuzz_target!(|data: &[u8]| {
             })
             .collect()
     });
-    let rope = with_rope.then(|| QkvRope {
-        freqs_cis: Freqs::F32(&freqs),
-        q_head_size: hd,
-        rope_dim: hd,
-        interleaved: s.below(2) == 0,
-        position_ids: ids.as_deref(),
-        math: if s.below(2) == 0 { RopeMath::F32 } else { RopeMath::MaxCompat },
+    let rope = with_rope.then(|| {
+        QkvRope::new(Freqs::F32(&freqs), hd, hd, s.below(2) == 0)
+            .maybe_position_ids(ids.as_deref())
+            .with_math(if s.below(2) == 0 { RopeMath::F32 } else { RopeMath::MaxCompat })
     });
 
     match s.below(4) {
@@ -190,8 +187,7 @@ fuzz_target!(|data: &[u8]| {
             else {
                 return;
             };
-            let args =
-                QkvFp4Args { hidden_state: a, input_row_offsets: &offsets, weight: w, tensor_sf: 0.5, q_dim, rope };
+            let args = QkvFp4Args::new(a, &offsets, w, q_dim).with_tensor_sf(0.5).maybe_rope(rope);
             let out_len = m * q_dim;
             let fast = all_isas(|e| {
                 run::<f32, f32>(shape, out_len, &table, layer, |o, kv| fast::qkv_fp4_ragged(&args, o, kv, e))
@@ -208,7 +204,7 @@ fuzz_target!(|data: &[u8]| {
                 QuantizedRef::new(format, m, k, &aa, &sa).unwrap(),
                 QuantizedRef::new(format, n, k, &wa, &sw).unwrap(),
             );
-            let abs_args = QkvFp4Args { hidden_state: aa, weight: wa, rope: None, ..args };
+            let abs_args = QkvFp4Args::new(aa, args.input_row_offsets, wa, args.q_dim).with_tensor_sf(args.tensor_sf);
             let abs = run::<f32, f32>(shape, out_len, &table, layer, |o, kv| {
                 reference::qkv_fp4_ragged(&abs_args, o, kv, Accumulation::Exact)
             });
@@ -231,15 +227,9 @@ fuzz_target!(|data: &[u8]| {
             let bias: Vec<bf16> = (0..n).map(|_| bf16::from_f32(s.below(5) as f32)).collect();
             let ragged = s.below(2) == 0;
             let (out_len, fast, oracle) = if ragged {
-                let args = QkvRaggedArgs {
-                    hidden_state: &x[..m * k],
-                    input_row_offsets: &offsets,
-                    weight: &w,
-                    hidden_size: k,
-                    bias: (s.below(2) == 0).then_some(&bias[..]),
-                    q_dim,
-                    rope,
-                };
+                let args = QkvRaggedArgs::new(&x[..m * k], &offsets, &w, k, q_dim)
+                    .maybe_bias((s.below(2) == 0).then_some(&bias[..]))
+                    .maybe_rope(rope);
                 let out_len = m * q_dim;
                 let fast = all_isas(|e| {
                     run::<f32, f32>(shape, out_len, &table, layer, |o, kv| fast::qkv_ragged(&args, o, kv, e))
@@ -252,16 +242,8 @@ fuzz_target!(|data: &[u8]| {
                 let seq = s.below(4) + 1;
                 let valid: Vec<u32> = (0..batch).map(|_| s.below(seq + 1) as u32).collect();
                 let xs = &x[..(batch * seq * k).min(x.len())];
-                let args = QkvBshdArgs {
-                    hidden_state: xs,
-                    batch,
-                    seq_len: seq,
-                    hidden_size: k,
-                    weight: &w,
-                    valid_lengths: &valid,
-                    q_dim,
-                    rope: rope.map(|r| QkvRope { position_ids: None, ..r }),
-                };
+                let args = QkvBshdArgs::new(xs, (batch, seq, k), &w, &valid, q_dim)
+                    .maybe_rope(rope.map(|r| r.maybe_position_ids(None)));
                 let out_len = batch * seq * q_dim;
                 let fast = all_isas(|e| {
                     run::<f32, f32>(shape, out_len, &table, layer, |o, kv| fast::qkv_bshd(&args, o, kv, e))
@@ -283,16 +265,8 @@ fuzz_target!(|data: &[u8]| {
             let q: Vec<bf16> = (0..m * hq * hd).map(|_| bf16::from_f32(s.below(64) as f32 / 8.0 - 4.0)).collect();
             let f: Vec<bf16> =
                 paged_qkv::freqs_cis(s.below(24) + 1, rd, 1000.0).into_iter().map(bf16::from_f32).collect();
-            let args = RopeRaggedArgs {
-                q_proj: &q,
-                input_row_offsets: &offsets,
-                num_q_heads: hq,
-                q_head_size: hd,
-                freqs_cis: &f,
-                rope_dim: rd,
-                position_ids: ids.as_deref(),
-                interleaved: s.below(2) == 0,
-            };
+            let args =
+                RopeRaggedArgs::new(&q, &offsets, (hq, hd), &f, rd, s.below(2) == 0).maybe_position_ids(ids.as_deref());
             let math = if s.below(2) == 0 { RopeMath::F32 } else { RopeMath::MaxCompat };
             let fast = all_isas(|e| {
                 run::<bf16, bf16>(shape, q.len(), &table, layer, |o, kv| fast::rope_ragged(&args, o, kv, math, e))
@@ -307,7 +281,7 @@ fuzz_target!(|data: &[u8]| {
             let which = if s.below(2) == 0 { KvSel::K } else { KvSel::V };
             if s.below(2) == 0 {
                 let v: Vec<f32> = (0..m * kvw).map(|_| s.below(200) as f32 - 100.0).collect();
-                let args = KvStoreRaggedArgs { values: &v, input_row_offsets: &offsets, which };
+                let args = KvStoreRaggedArgs::new(&v, &offsets, which);
                 let fast = all_isas(|e| {
                     run::<f32, bf16>(shape, 0, &table, layer, |_, kv| fast::kv_store_ragged(&args, kv, e))
                 });
@@ -320,7 +294,7 @@ fuzz_target!(|data: &[u8]| {
                     bf16::from_bits((hi << 8 | s.below(256)) as u16)
                 };
                 let v: Vec<bf16> = (0..m * kvw).map(|_| value()).collect();
-                let args = KvStoreRaggedArgs { values: &v, input_row_offsets: &offsets, which };
+                let args = KvStoreRaggedArgs::new(&v, &offsets, which);
                 let fast = all_isas(|e| {
                     run::<bf16, bf16>(shape, 0, &table, layer, |_, kv| fast::kv_store_ragged(&args, kv, e))
                 });

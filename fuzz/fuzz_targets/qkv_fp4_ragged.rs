@@ -50,8 +50,7 @@ fuzz_target!(|data: &[u8]| {
     let Ok(table) = PageTable::new(&lookup, cols, &lens) else { return };
     let mut cache = PagedKvCache::<bf16>::zeros(shape);
     let mut out = vec![bf16::from_f32(1.0); m * q_dim + (h[13] as usize % 2)];
-    let args =
-        QkvFp4Args { hidden_state: a, input_row_offsets: &offsets, weight: w, tensor_sf: 0.25, q_dim, rope: None };
+    let args = QkvFp4Args::new(a, &offsets, w, q_dim).with_tensor_sf(0.25);
     let mut kv = KvWrite::new(cache.view_mut(), table, h[14] as usize % 4);
     let mode = if h[15] & 1 == 0 { Accumulation::Exact } else { Accumulation::Sequential };
     if qkv_fp4_ragged(&args, &mut out, &mut kv, mode).is_err() {

@@ -377,14 +377,11 @@ fn with_rope<R>(
         Float::F16 => Freqs::F16(fm.slice()),
         Float::E4m3 => unreachable!("float_of(_, false)"),
     };
-    f(Some(QkvRope {
-        freqs_cis,
-        q_head_size: r.q_head_size,
-        rope_dim: r.rope_dim,
-        interleaved: r.interleaved,
-        position_ids: ids.as_deref(),
-        math: r.math,
-    }))
+    f(Some(
+        QkvRope::new(freqs_cis, r.q_head_size, r.rope_dim, r.interleaved)
+            .maybe_position_ids(ids.as_deref())
+            .with_math(r.math),
+    ))
 }
 
 /// `q_dim`: given, or `out`'s last dimension, or what the cache leaves of N (MHA:
@@ -582,14 +579,8 @@ fn plain_ragged<T: PackedOf, O: Pod + paged_qkv::Element, C: Pod + paged_qkv::El
         with_rope(rope, h, |rope| {
             match (w, mode) {
                 (PlainWD::Packed(p), Mode::Fast) => {
-                    let args = QkvRaggedPackedArgs {
-                        hidden_state: xs,
-                        input_row_offsets: &offsets,
-                        weight: T::packed(p),
-                        bias: bs,
-                        q_dim,
-                        rope,
-                    };
+                    let args =
+                        QkvRaggedPackedArgs::new(xs, &offsets, T::packed(p), q_dim).maybe_bias(bs).maybe_rope(rope);
                     fast::qkv_ragged_packed(&args, outs, kv, exec)
                 }
                 (w, mode) => {
@@ -604,15 +595,7 @@ fn plain_ragged<T: PackedOf, O: Pod + paged_qkv::Element, C: Pod + paged_qkv::El
                             &unpacked
                         }
                     };
-                    let args = QkvRaggedArgs {
-                        hidden_state: xs,
-                        input_row_offsets: &offsets,
-                        weight: ws,
-                        hidden_size: k,
-                        bias: bs,
-                        q_dim,
-                        rope,
-                    };
+                    let args = QkvRaggedArgs::new(xs, &offsets, ws, k, q_dim).maybe_bias(bs).maybe_rope(rope);
                     match mode {
                         Mode::Fast => fast::qkv_ragged(&args, outs, kv, exec),
                         _ => reference::qkv_ragged(&args, outs, kv, mode.acc()),
@@ -698,15 +681,8 @@ fn plain_bshd<T: PackedOf, O: Pod + paged_qkv::Element, C: Pod + paged_qkv::Elem
         with_rope(rope, h, |rope| {
             match (w, mode) {
                 (PlainWD::Packed(p), Mode::Fast) => {
-                    let args = QkvBshdPackedArgs {
-                        hidden_state: xs,
-                        batch,
-                        seq_len,
-                        weight: T::packed(p),
-                        valid_lengths: &valid,
-                        q_dim,
-                        rope,
-                    };
+                    let args =
+                        QkvBshdPackedArgs::new(xs, (batch, seq_len), T::packed(p), &valid, q_dim).maybe_rope(rope);
                     fast::qkv_bshd_packed(&args, outs, kv, exec)
                 }
                 (w, mode) => {
@@ -721,16 +697,7 @@ fn plain_bshd<T: PackedOf, O: Pod + paged_qkv::Element, C: Pod + paged_qkv::Elem
                             &unpacked
                         }
                     };
-                    let args = QkvBshdArgs {
-                        hidden_state: xs,
-                        batch,
-                        seq_len,
-                        hidden_size: k,
-                        weight: ws,
-                        valid_lengths: &valid,
-                        q_dim,
-                        rope,
-                    };
+                    let args = QkvBshdArgs::new(xs, (batch, seq_len, k), ws, &valid, q_dim).maybe_rope(rope);
                     match mode {
                         Mode::Fast => fast::qkv_bshd(&args, outs, kv, exec),
                         _ => reference::qkv_bshd(&args, outs, kv, mode.acc()),
@@ -868,7 +835,7 @@ fn block_ragged<O: Pod + paged_qkv::Element, C: Pod + paged_qkv::Element>(
             };
             match (packed, mode) {
                 (Some(pw), Mode::Fast) => {
-                    let args = QkvFp4PackedArgs { rope, tensor_sf, ..QkvFp4PackedArgs::new(a, &offsets, pw, q_dim) };
+                    let args = QkvFp4PackedArgs::new(a, &offsets, pw, q_dim).maybe_rope(rope).with_tensor_sf(tensor_sf);
                     fast::qkv_fp4_ragged_packed(&args, outs, kv, exec)
                 }
                 (packed, mode) => {
@@ -884,8 +851,7 @@ fn block_ragged<O: Pod + paged_qkv::Element, C: Pod + paged_qkv::Element>(
                         }
                         (None, Err(_)) => unreachable!("a packed weight is Some"),
                     };
-                    let args =
-                        QkvFp4Args { hidden_state: a, input_row_offsets: &offsets, weight, tensor_sf, q_dim, rope };
+                    let args = QkvFp4Args::new(a, &offsets, weight, q_dim).with_tensor_sf(tensor_sf).maybe_rope(rope);
                     match mode {
                         Mode::Fast => fast::qkv_fp4_ragged(&args, outs, kv, exec),
                         _ => reference::qkv_fp4_ragged(&args, outs, kv, mode.acc()),
@@ -963,15 +929,7 @@ pub fn rope_bshd<'py>(
             let (qv, fv, outs) = (qm.slice::<T>(), fm.slice::<T>(), om.slice_mut::<T>());
             let valid = indices(&vm)?;
             with_kv::<C, _>(cd, h, |kv| {
-                let args = RopeBshdArgs {
-                    q_proj: qv,
-                    batch: qs[0],
-                    seq_len: qs[1],
-                    num_q_heads: qs[2],
-                    freqs_cis: fv,
-                    valid_lengths: &valid,
-                    interleaved,
-                };
+                let args = RopeBshdArgs::new(qv, (qs[0], qs[1], qs[2]), fv, &valid, interleaved);
                 match mode {
                     Mode::Fast => fast::rope_bshd(&args, outs, kv, math, exec),
                     _ => reference::rope_bshd(&args, outs, kv, math),
@@ -1039,16 +997,7 @@ pub fn rope_ragged<'py>(
             let offsets = indices(&offm)?;
             let ids = idm.as_ref().map(indices).transpose()?;
             with_kv::<C, _>(cd, h, |kv| {
-                let args = RopeRaggedArgs {
-                    q_proj: qv,
-                    input_row_offsets: &offsets,
-                    num_q_heads: qs[1],
-                    q_head_size: qs[2],
-                    freqs_cis: fv,
-                    rope_dim,
-                    position_ids: ids.as_deref(),
-                    interleaved,
-                };
+                let args = RopeRaggedArgs::new(qv, &offsets, (qs[1], qs[2]), fv, rope_dim, interleaved).maybe_position_ids(ids.as_deref());
                 match mode {
                     Mode::Fast => fast::rope_ragged(&args, outs, kv, math, exec),
                     _ => reference::rope_ragged(&args, outs, kv, math),
@@ -1148,13 +1097,13 @@ fn kv_store<'py>(
             let idx = indices(&rm)?;
             with_kv::<C, _>(cd, h, |kv| {
                 if ragged {
-                    let args = KvStoreRaggedArgs { values, input_row_offsets: &idx, which };
+                    let args = KvStoreRaggedArgs::new(values, &idx, which);
                     match mode {
                         Mode::Fast => fast::kv_store_ragged(&args, kv, exec),
                         _ => reference::kv_store_ragged(&args, kv),
                     }
                 } else {
-                    let args = KvStoreBshdArgs { values, batch: vs[0], seq_len: vs[1], valid_lengths: &idx, which };
+                    let args = KvStoreBshdArgs::new(values, (vs[0], vs[1]), &idx, which);
                     match mode {
                         Mode::Fast => fast::kv_store_bshd(&args, kv, exec),
                         _ => reference::kv_store_bshd(&args, kv),

@@ -61,7 +61,7 @@ use crate::ops::{
     KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, QkvRope, RopeBshdArgs, RopeMath,
     RopeRaggedArgs, check_tensor, kv_store_bshd_slots, kv_store_ragged_slots, rope_bshd_slots, rope_ragged_slots,
     validate_fp4, validate_kv_store_bshd, validate_kv_store_ragged, validate_qkv_bshd, validate_qkv_ragged,
-    validate_rope_bshd, validate_rope_ragged, weight_rows,
+    validate_rope_bshd, validate_rope_ragged, weight_rows, with_freqs,
 };
 pub use crate::simd::Isa;
 use crate::simd::IsaToken;
@@ -114,6 +114,7 @@ impl Exec {
 
 /// Arguments of [`qkv_fp4_ragged_packed`]: as [`QkvFp4Args`], with a prepacked weight.
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct QkvFp4PackedArgs<'a> {
     /// The ragged activations `[M, K]` with `input_scale`.
     pub hidden_state: QuantizedRef<'a>,
@@ -141,10 +142,72 @@ impl<'a> QkvFp4PackedArgs<'a> {
         let tensor_sf = hidden_state.tensor_scale() * weight.tensor_scale();
         QkvFp4PackedArgs { hidden_state, input_row_offsets, weight, tensor_sf, q_dim, rope: None }
     }
+    /// Another `tensor_sf`.
+    pub fn with_tensor_sf(self, tensor_sf: f32) -> Self {
+        QkvFp4PackedArgs { tensor_sf, ..self }
+    }
+    /// RoPE in the epilogue.
+    pub fn with_rope(self, rope: QkvRope<'a>) -> Self {
+        QkvFp4PackedArgs { rope: Some(rope), ..self }
+    }
+    /// [`with_rope`](Self::with_rope) where `Some`; `None`: no rotation.
+    pub fn maybe_rope(self, rope: Option<QkvRope<'a>>) -> Self {
+        QkvFp4PackedArgs { rope, ..self }
+    }
+}
+
+impl<'a, T> QkvRaggedPackedArgs<'a, T> {
+    /// The arguments without bias and RoPE.
+    pub fn new(
+        hidden_state: &'a [T],
+        input_row_offsets: &'a [u32],
+        weight: &'a PackedPlainWeights<T>,
+        q_dim: usize,
+    ) -> Self {
+        QkvRaggedPackedArgs { hidden_state, input_row_offsets, weight, bias: None, q_dim, rope: None }
+    }
+    /// An `[N]` bias.
+    pub fn with_bias(self, bias: &'a [T]) -> Self {
+        QkvRaggedPackedArgs { bias: Some(bias), ..self }
+    }
+    /// [`with_bias`](Self::with_bias) where `Some`; `None`: no bias.
+    pub fn maybe_bias(self, bias: Option<&'a [T]>) -> Self {
+        QkvRaggedPackedArgs { bias, ..self }
+    }
+    /// RoPE in the epilogue.
+    pub fn with_rope(self, rope: QkvRope<'a>) -> Self {
+        QkvRaggedPackedArgs { rope: Some(rope), ..self }
+    }
+    /// [`with_rope`](Self::with_rope) where `Some`; `None`: no rotation.
+    pub fn maybe_rope(self, rope: Option<QkvRope<'a>>) -> Self {
+        QkvRaggedPackedArgs { rope, ..self }
+    }
+}
+
+impl<'a, T> QkvBshdPackedArgs<'a, T> {
+    /// The arguments without RoPE.
+    pub fn new(
+        hidden_state: &'a [T],
+        (batch, seq_len): (usize, usize),
+        weight: &'a PackedPlainWeights<T>,
+        valid_lengths: &'a [u32],
+        q_dim: usize,
+    ) -> Self {
+        QkvBshdPackedArgs { hidden_state, batch, seq_len, weight, valid_lengths, q_dim, rope: None }
+    }
+    /// RoPE in the epilogue.
+    pub fn with_rope(self, rope: QkvRope<'a>) -> Self {
+        QkvBshdPackedArgs { rope: Some(rope), ..self }
+    }
+    /// [`with_rope`](Self::with_rope) where `Some`; `None`: no rotation.
+    pub fn maybe_rope(self, rope: Option<QkvRope<'a>>) -> Self {
+        QkvBshdPackedArgs { rope, ..self }
+    }
 }
 
 /// Arguments of [`qkv_ragged_packed`]: as [`QkvRaggedArgs`], with a prepacked weight.
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct QkvRaggedPackedArgs<'a, T> {
     /// `[M, hidden_size]`.
     pub hidden_state: &'a [T],
@@ -162,6 +225,7 @@ pub struct QkvRaggedPackedArgs<'a, T> {
 
 /// Arguments of [`qkv_bshd_packed`]: as [`QkvBshdArgs`], with a prepacked weight.
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct QkvBshdPackedArgs<'a, T> {
     /// `[batch, seq_len, hidden_size]`, padded.
     pub hidden_state: &'a [T],
@@ -197,14 +261,8 @@ pub struct QkvBshdPackedArgs<'a, T> {
 /// let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(4, 1, 8, 1, 16)?);
 /// let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[2], 1, &[0])?, 0);
 /// let mut q = vec![bf16::ZERO; 2 * q_dim];
-/// let args = QkvFp4Args {
-///     hidden_state: a.as_ref(),
-///     input_row_offsets: &[0, 2],
-///     weight: wq.as_ref(),
-///     tensor_sf: a.tensor_scale() * wq.tensor_scale(),
-///     q_dim,
-///     rope: None,
-/// };
+/// // tensor_sf: a.tensor_scale() · wq.tensor_scale() (`with_tensor_sf` sets another)
+/// let args = QkvFp4Args::new(a.as_ref(), &[0, 2], wq.as_ref(), q_dim);
 /// fast::qkv_fp4_ragged(&args, &mut q, &mut kv, Exec::default())?;
 /// # Ok(())
 /// # }
@@ -390,7 +448,7 @@ pub fn matmul_fp4_packed<O: Element>(
 /// let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(4, 1, 8, 1, 16)?);
 /// let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0, 3], 1, &[5, 0])?, 0);
 /// let mut q = vec![bf16::ZERO; 3 * q_dim];
-/// let args = QkvRaggedArgs { hidden_state: &x, input_row_offsets: &[0, 2, 3], weight: &w, hidden_size: k, bias: None, q_dim, rope: None };
+/// let args = QkvRaggedArgs::new(&x, &[0, 2, 3], &w, k, q_dim);
 /// fast::qkv_ragged(&args, &mut q, &mut kv, Exec::default())?;
 /// # Ok(())
 /// # }
@@ -453,7 +511,7 @@ pub fn qkv_ragged<T: Element, O: Element, C: Element>(
 /// let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(4, 1, 8, 1, 16)?);
 /// let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[2], 1, &[7])?, 0);
 /// let mut q = vec![bf16::ZERO; q_dim];
-/// let args = QkvRaggedPackedArgs { hidden_state: &x, input_row_offsets: &[0, 1], weight: &packed, bias: Some(&bias), q_dim, rope: None };
+/// let args = QkvRaggedPackedArgs::new(&x, &[0, 1], &packed, q_dim).with_bias(&bias);
 /// fast::qkv_ragged_packed(&args, &mut q, &mut kv, Exec::default())?;
 /// # Ok(())
 /// # }
@@ -496,7 +554,7 @@ pub fn qkv_ragged_packed<T: Element, O: Element, C: Element>(
 /// let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(4, 1, 8, 1, 16)?);
 /// let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0, 1], 1, &[0, 2])?, 0);
 /// let mut q = vec![bf16::ZERO; 2 * seq * q_dim];
-/// let args = QkvBshdArgs { hidden_state: &x, batch: 2, seq_len: seq, hidden_size: k, weight: &w, valid_lengths: &[4, 1], q_dim, rope: None };
+/// let args = QkvBshdArgs::new(&x, (2, seq, k), &w, &[4, 1], q_dim); // (batch, seq_len, hidden_size)
 /// fast::qkv_bshd(&args, &mut q, &mut kv, Exec::default())?;
 /// # Ok(())
 /// # }
@@ -627,15 +685,9 @@ pub fn matmul_plain_packed<T: Element, O: Element>(
 /// let mut out = vec![bf16::ZERO; q.len()];
 /// let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(2, 1, 4, 1, d)?);
 /// let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[1], 1, &[0])?, 0);
-/// let args = RopeBshdArgs {
-///     q_proj: &q,
-///     batch: 1,
-///     seq_len: 3,
-///     num_q_heads: heads,
-///     freqs_cis: &freqs,
-///     valid_lengths: &[2], // the third row is padding: its output is not written
-///     interleaved: true,
-/// };
+/// // (batch, seq_len, num_q_heads); valid_lengths [2]: the third row is padding, its output
+/// // is not written; interleaved pairs.
+/// let args = RopeBshdArgs::new(&q, (1, 3, heads), &freqs, &[2], true);
 /// fast::rope_bshd(&args, &mut out, &mut kv, RopeMath::F32, Exec::default())?;
 /// assert_eq!(out[2 * heads * d], bf16::ZERO);
 /// # Ok(())
@@ -652,26 +704,28 @@ pub fn rope_bshd<T: Element, C: Element>(
     let token = IsaToken::new(exec.isa)?;
     let shape = kv.cache.shape();
     let d = shape.head_size();
-    let spec = RopeSpec {
-        freqs: args.freqs_cis,
-        rope_dim: d,
-        interleaved: args.interleaved,
-        math,
-        q_heads: (args.num_q_heads, d),
-        k_heads: (shape.num_kv_heads(), d),
-    };
-    let team = exec.team();
-    // As in `rope_ragged`: no pass over the rows where none is needed.
-    if let Some(slots) = rope_bshd_slots(args, output.len(), kv) {
-        let slots = Seqs { slots, ids: None };
+    with_freqs!(args.freqs_cis, freqs => {
+        let spec = RopeSpec {
+            freqs,
+            rope_dim: d,
+            interleaved: args.interleaved,
+            math,
+            q_heads: (args.num_q_heads, d),
+            k_heads: (shape.num_kv_heads(), d),
+        };
+        let team = exec.team();
+        // As in `rope_ragged`: no pass over the rows where none is needed.
+        if let Some(slots) = rope_bshd_slots(args, output.len(), kv) {
+            let slots = Seqs { slots, ids: None };
+            rope_rows(token, team, &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
+            return Ok(());
+        }
+        let (plan, positions) = validate_rope_bshd(args, output.len(), kv)?;
+        let bases = slot_bases(&plan, &shape, kv.layer_idx, 0);
+        let slots = Planned { bases: &bases, positions: &positions };
         rope_rows(token, team, &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
-        return Ok(());
-    }
-    let (plan, positions) = validate_rope_bshd(args, output.len(), kv)?;
-    let bases = slot_bases(&plan, &shape, kv.layer_idx, 0);
-    let slots = Planned { bases: &bases, positions: &positions };
-    rope_rows(token, team, &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
-    Ok(())
+        Ok(())
+    })
 }
 
 /// The fast [`reference::rope_ragged`](crate::reference::rope_ragged) (MAX's `fused_qk_rope_ragged`:
@@ -688,24 +742,16 @@ pub fn rope_bshd<T: Element, C: Element>(
 /// let mut out = vec![0.0f32; q.len()];
 /// let mut cache = PagedKvCache::<f32>::zeros(CacheShape::mha(2, 1, 4, 1, 8)?);
 /// let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0, 1], 1, &[0, 0])?, 0);
-/// let args = RopeRaggedArgs {
-///     q_proj: &q,
-///     input_row_offsets: &[0, 1, 2],
-///     num_q_heads: 1,
-///     q_head_size: 8,
-///     freqs_cis: &freqs,
-///     rope_dim: 4,
-///     position_ids: Some(&[7, 9]),
-///     interleaved: false,
-/// };
+/// // 1 Q head of 8, rope_dim 4, half-split pairs; the two rows at positions 7 and 9
+/// let args = RopeRaggedArgs::new(&q, &[0, 1, 2], (1, 8), &freqs, 4, false).with_position_ids(&[7, 9]);
 /// fast::rope_ragged(&args, &mut out, &mut kv, RopeMath::F32, Exec::default())?;
 /// assert_eq!(out[4..8], [1.0; 4]); // the last 4 dims are not rotary: copied
 /// # Ok(())
 /// # }
 /// ```
 #[doc(alias = "fused_qk_rope_ragged")]
-pub fn rope_ragged<T: Element, F: Element, C: Element>(
-    args: &RopeRaggedArgs<'_, T, F>,
+pub fn rope_ragged<T: Element, C: Element>(
+    args: &RopeRaggedArgs<'_, T>,
     output: &mut [T],
     kv: &mut KvWrite<'_, C>,
     math: RopeMath,
@@ -713,28 +759,30 @@ pub fn rope_ragged<T: Element, F: Element, C: Element>(
 ) -> Result<()> {
     let token = IsaToken::new(exec.isa)?;
     let shape = kv.cache.shape();
-    let spec = RopeSpec {
-        freqs: args.freqs_cis,
-        rope_dim: args.rope_dim,
-        interleaved: args.interleaved,
-        math,
-        q_heads: (args.num_q_heads, args.q_head_size),
-        k_heads: (shape.num_kv_heads(), shape.head_size()),
-    };
-    let team = exec.team();
-    // The usual call (no two written pages in one block, nothing invalid) needs no pass over its
-    // rows before the kernels: each row finds its slot from its sequence when it is rotated.
-    // Otherwise the full validation finds the error, or checks every slot and lists them.
-    if let Some(slots) = rope_ragged_slots(args, output.len(), kv) {
-        let slots = Seqs { slots, ids: args.position_ids };
+    with_freqs!(args.freqs_cis, freqs => {
+        let spec = RopeSpec {
+            freqs,
+            rope_dim: args.rope_dim,
+            interleaved: args.interleaved,
+            math,
+            q_heads: (args.num_q_heads, args.q_head_size),
+            k_heads: (shape.num_kv_heads(), shape.head_size()),
+        };
+        let team = exec.team();
+        // The usual call (no two written pages in one block, nothing invalid) needs no pass over
+        // its rows before the kernels: each row finds its slot from its sequence when it is
+        // rotated. Otherwise the full validation finds the error, or checks every slot.
+        if let Some(slots) = rope_ragged_slots(args, output.len(), kv) {
+            let slots = Seqs { slots, ids: args.position_ids };
+            rope_rows(token, team, &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
+            return Ok(());
+        }
+        let (plan, positions) = validate_rope_ragged(args, output.len(), kv)?;
+        let bases = slot_bases(&plan, &shape, kv.layer_idx, 0);
+        let slots = Planned { bases: &bases, positions: &positions };
         rope_rows(token, team, &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
-        return Ok(());
-    }
-    let (plan, positions) = validate_rope_ragged(args, output.len(), kv)?;
-    let bases = slot_bases(&plan, &shape, kv.layer_idx, 0);
-    let slots = Planned { bases: &bases, positions: &positions };
-    rope_rows(token, team, &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
-    Ok(())
+        Ok(())
+    })
 }
 
 /// The fast [`reference::kv_store_ragged`](crate::reference::kv_store_ragged) (MAX's

@@ -39,8 +39,11 @@ pub enum RopeMath {
     MaxCompat,
 }
 
-/// A `freqs_cis` table of one of the element types RoPE accepts (f32, or the q dtype bf16/f16).
+/// A `freqs_cis` table of one of the element types RoPE accepts (f32, bf16 or f16): the one
+/// spelling of RoPE frequencies in every argument struct. Made from a slice or `Vec` of any of
+/// the three by `From` (`(&freqs).into()`, or passed to a constructor as `&freqs`).
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub enum Freqs<'a> {
     /// f32 (the math is f32 in both modes).
     F32(&'a [f32]),
@@ -63,21 +66,71 @@ impl Freqs<'_> {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// `s` as a table where its element type is one RoPE accepts (f32, bf16, f16), else `None`.
+    pub fn of<F: Element>(s: &[F]) -> Option<Freqs<'_>> {
+        use crate::simd::rope::same_type;
+        same_type::<F, f32>(s)
+            .map(Freqs::F32)
+            .or_else(|| same_type::<F, half::bf16>(s).map(Freqs::Bf16))
+            .or_else(|| same_type::<F, half::f16>(s).map(Freqs::F16))
+    }
+    /// The table's element type.
+    pub fn dtype(&self) -> crate::DType {
+        match self {
+            Freqs::F32(_) => crate::DType::F32,
+            Freqs::Bf16(_) => crate::DType::BF16,
+            Freqs::F16(_) => crate::DType::F16,
+        }
+    }
 }
 
-impl<'a> From<&'a [f32]> for Freqs<'a> {
-    fn from(f: &'a [f32]) -> Self {
-        Freqs::F32(f)
+/// Runs `$body` with `$f` bound to the table's slice, once per element type (the generic code
+/// inside is instantiated for each).
+macro_rules! with_freqs {
+    ($freqs:expr, $f:ident => $body:expr) => {
+        match $freqs {
+            $crate::ops::Freqs::F32($f) => $body,
+            $crate::ops::Freqs::Bf16($f) => $body,
+            $crate::ops::Freqs::F16($f) => $body,
+        }
+    };
+}
+pub(crate) use with_freqs;
+
+/// The element types a [`Freqs`] table holds: f32, bf16 and f16 (sealed).
+pub trait FreqsElement: Element {
+    /// The slice as a [`Freqs`].
+    fn freqs(s: &[Self]) -> Freqs<'_>;
+}
+impl FreqsElement for f32 {
+    fn freqs(s: &[f32]) -> Freqs<'_> {
+        Freqs::F32(s)
     }
 }
-impl<'a> From<&'a [half::bf16]> for Freqs<'a> {
-    fn from(f: &'a [half::bf16]) -> Self {
-        Freqs::Bf16(f)
+impl FreqsElement for half::bf16 {
+    fn freqs(s: &[half::bf16]) -> Freqs<'_> {
+        Freqs::Bf16(s)
     }
 }
-impl<'a> From<&'a [half::f16]> for Freqs<'a> {
-    fn from(f: &'a [half::f16]) -> Self {
-        Freqs::F16(f)
+impl FreqsElement for half::f16 {
+    fn freqs(s: &[half::f16]) -> Freqs<'_> {
+        Freqs::F16(s)
+    }
+}
+
+impl<'a, F: FreqsElement> From<&'a [F]> for Freqs<'a> {
+    fn from(f: &'a [F]) -> Self {
+        F::freqs(f)
+    }
+}
+impl<'a, F: FreqsElement> From<&'a Vec<F>> for Freqs<'a> {
+    fn from(f: &'a Vec<F>) -> Self {
+        F::freqs(f)
+    }
+}
+impl<'a, F: FreqsElement, const N: usize> From<&'a [F; N]> for Freqs<'a> {
+    fn from(f: &'a [F; N]) -> Self {
+        F::freqs(f)
     }
 }
 
@@ -89,6 +142,7 @@ impl<'a> From<&'a [half::f16]> for Freqs<'a> {
 /// rotation covers whole heads (`rope_dim` = both head sizes), rows `t < valid_lengths[b]` only, and
 /// no `position_ids`, as [`rope_bshd`](crate::reference::rope_bshd).
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct QkvRope<'a> {
     /// `[rows, rope_dim]`: row `p` is `cos(p θ_0), sin(p θ_0), cos(p θ_1), …`.
     pub freqs_cis: Freqs<'a>,
@@ -107,6 +161,7 @@ pub struct QkvRope<'a> {
 /// Arguments of [`qkv_fp4_ragged`](crate::reference::qkv_fp4_ragged)
 /// (MAX: `fused_qkv_matmul_kv_cache_paged_ragged_scale_float4`).
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct QkvFp4Args<'a> {
     /// The ragged activations `[M, K]` (`M = input_row_offsets[batch]`) with `input_scale`.
     pub hidden_state: QuantizedRef<'a>,
@@ -125,6 +180,7 @@ pub struct QkvFp4Args<'a> {
 /// Arguments of [`qkv_ragged`](crate::reference::qkv_ragged)
 /// (MAX: `fused_qkv_matmul_kv_cache_paged_ragged`, with its `_bias` variant).
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct QkvRaggedArgs<'a, T> {
     /// `[M, hidden_size]`.
     pub hidden_state: &'a [T],
@@ -146,6 +202,7 @@ pub struct QkvRaggedArgs<'a, T> {
 /// Arguments of [`qkv_bshd`](crate::reference::qkv_bshd)
 /// (MAX: `fused_qkv_matmul_kv_cache_bshd_paged`).
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct QkvBshdArgs<'a, T> {
     /// `[batch, seq_len, hidden_size]`, padded.
     pub hidden_state: &'a [T],
@@ -168,6 +225,7 @@ pub struct QkvBshdArgs<'a, T> {
 /// Arguments of [`rope_bshd`](crate::reference::rope_bshd)
 /// (MAX: `fused_qk_rope_bshd_paged`). The head size is the cache's.
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct RopeBshdArgs<'a, T> {
     /// `[batch, seq_len, num_q_heads, head_size]`.
     pub q_proj: &'a [T],
@@ -177,8 +235,9 @@ pub struct RopeBshdArgs<'a, T> {
     pub seq_len: usize,
     /// Q heads.
     pub num_q_heads: usize,
-    /// `[rows, head_size]`: row `p` is `cos(p θ_0), sin(p θ_0), cos(p θ_1), …`.
-    pub freqs_cis: &'a [T],
+    /// `[rows, head_size]`: row `p` is `cos(p θ_0), sin(p θ_0), cos(p θ_1), …` (MAX: q's dtype;
+    /// any of f32, bf16, f16 here, `MaxCompat` rounding to its type).
+    pub freqs_cis: Freqs<'a>,
     /// `[batch]`: positions `s ≥ valid_lengths[b]` are skipped for Q and K.
     pub valid_lengths: &'a [u32],
     /// Pairs `(2i, 2i+1)` when true, `(i, i + D/2)` when false.
@@ -188,7 +247,8 @@ pub struct RopeBshdArgs<'a, T> {
 /// Arguments of [`rope_ragged`](crate::reference::rope_ragged)
 /// (MAX: `fused_qk_rope_ragged`, with partial rotary).
 #[derive(Debug, Clone, Copy)]
-pub struct RopeRaggedArgs<'a, T, F> {
+#[non_exhaustive]
+pub struct RopeRaggedArgs<'a, T> {
     /// `[M, num_q_heads, q_head_size]`.
     pub q_proj: &'a [T],
     /// `[batch + 1]`.
@@ -197,8 +257,8 @@ pub struct RopeRaggedArgs<'a, T, F> {
     pub num_q_heads: usize,
     /// Q head size (the K head size is the cache's; they may differ, as in MLA).
     pub q_head_size: usize,
-    /// `[rows, rope_dim]`, interleaved (cos, sin) pairs; its dtype F may differ from T.
-    pub freqs_cis: &'a [F],
+    /// `[rows, rope_dim]`, interleaved (cos, sin) pairs; its dtype may differ from T.
+    pub freqs_cis: Freqs<'a>,
     /// Rotary dimensions (even, ≤ both head sizes). Interleaved: the **last** `rope_dim` dims of
     /// each head rotate; non-interleaved: the **first** `rope_dim`, halves split at `rope_dim/2`.
     pub rope_dim: usize,
@@ -212,6 +272,7 @@ pub struct RopeRaggedArgs<'a, T, F> {
 /// Arguments of [`kv_store_ragged`](crate::reference::kv_store_ragged)
 /// (MAX: `kv_cache_store_ragged`).
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct KvStoreRaggedArgs<'a, T> {
     /// `[M, num_kv_heads, head_size]`.
     pub values: &'a [T],
@@ -224,6 +285,7 @@ pub struct KvStoreRaggedArgs<'a, T> {
 /// Arguments of [`kv_store_bshd`](crate::reference::kv_store_bshd)
 /// (MAX: `kv_cache_store_padded`).
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct KvStoreBshdArgs<'a, T> {
     /// `[batch, seq_len, num_kv_heads, head_size]`.
     pub values: &'a [T],
@@ -235,6 +297,171 @@ pub struct KvStoreBshdArgs<'a, T> {
     pub valid_lengths: &'a [u32],
     /// K or V.
     pub which: KvSel,
+}
+
+impl<'a> QkvRope<'a> {
+    /// RoPE over `rope_dim` dims of heads of `q_head_size` (Q) and the cache's head size (K),
+    /// in `F32` math, each row at its cache position; [`with_position_ids`](Self::with_position_ids)
+    /// and [`with_math`](Self::with_math) change those.
+    pub fn new(freqs_cis: impl Into<Freqs<'a>>, q_head_size: usize, rope_dim: usize, interleaved: bool) -> Self {
+        QkvRope {
+            freqs_cis: freqs_cis.into(),
+            q_head_size,
+            rope_dim,
+            interleaved,
+            position_ids: None,
+            math: RopeMath::F32,
+        }
+    }
+    /// Row `i` takes freqs row `position_ids[i]` (ragged operations only).
+    pub fn with_position_ids(self, position_ids: &'a [u32]) -> Self {
+        QkvRope { position_ids: Some(position_ids), ..self }
+    }
+    /// [`with_position_ids`](Self::with_position_ids) where `Some`; `None`: each row at its
+    /// cache position.
+    pub fn maybe_position_ids(self, position_ids: Option<&'a [u32]>) -> Self {
+        QkvRope { position_ids, ..self }
+    }
+    /// How the rotation rounds.
+    pub fn with_math(self, math: RopeMath) -> Self {
+        QkvRope { math, ..self }
+    }
+}
+
+impl<'a> QkvFp4Args<'a> {
+    /// The arguments with `tensor_sf` formed from the two tensor scales
+    /// (`hidden_state.tensor_scale() · weight.tensor_scale()`) and no RoPE.
+    pub fn new(
+        hidden_state: QuantizedRef<'a>,
+        input_row_offsets: &'a [u32],
+        weight: QuantizedRef<'a>,
+        q_dim: usize,
+    ) -> Self {
+        let tensor_sf = hidden_state.tensor_scale() * weight.tensor_scale();
+        QkvFp4Args { hidden_state, input_row_offsets, weight, tensor_sf, q_dim, rope: None }
+    }
+    /// Another `tensor_sf`.
+    pub fn with_tensor_sf(self, tensor_sf: f32) -> Self {
+        QkvFp4Args { tensor_sf, ..self }
+    }
+    /// RoPE in the epilogue.
+    pub fn with_rope(self, rope: QkvRope<'a>) -> Self {
+        QkvFp4Args { rope: Some(rope), ..self }
+    }
+    /// [`with_rope`](Self::with_rope) where `Some`; `None`: no rotation.
+    pub fn maybe_rope(self, rope: Option<QkvRope<'a>>) -> Self {
+        QkvFp4Args { rope, ..self }
+    }
+}
+
+impl<'a, T> QkvRaggedArgs<'a, T> {
+    /// The arguments without bias and RoPE.
+    pub fn new(
+        hidden_state: &'a [T],
+        input_row_offsets: &'a [u32],
+        weight: &'a [T],
+        hidden_size: usize,
+        q_dim: usize,
+    ) -> Self {
+        QkvRaggedArgs { hidden_state, input_row_offsets, weight, hidden_size, bias: None, q_dim, rope: None }
+    }
+    /// An `[N]` bias.
+    pub fn with_bias(self, bias: &'a [T]) -> Self {
+        QkvRaggedArgs { bias: Some(bias), ..self }
+    }
+    /// [`with_bias`](Self::with_bias) where `Some`; `None`: no bias.
+    pub fn maybe_bias(self, bias: Option<&'a [T]>) -> Self {
+        QkvRaggedArgs { bias, ..self }
+    }
+    /// RoPE in the epilogue.
+    pub fn with_rope(self, rope: QkvRope<'a>) -> Self {
+        QkvRaggedArgs { rope: Some(rope), ..self }
+    }
+    /// [`with_rope`](Self::with_rope) where `Some`; `None`: no rotation.
+    pub fn maybe_rope(self, rope: Option<QkvRope<'a>>) -> Self {
+        QkvRaggedArgs { rope, ..self }
+    }
+}
+
+impl<'a, T> QkvBshdArgs<'a, T> {
+    /// The arguments without RoPE.
+    pub fn new(
+        hidden_state: &'a [T],
+        (batch, seq_len, hidden_size): (usize, usize, usize),
+        weight: &'a [T],
+        valid_lengths: &'a [u32],
+        q_dim: usize,
+    ) -> Self {
+        QkvBshdArgs { hidden_state, batch, seq_len, hidden_size, weight, valid_lengths, q_dim, rope: None }
+    }
+    /// RoPE in the epilogue.
+    pub fn with_rope(self, rope: QkvRope<'a>) -> Self {
+        QkvBshdArgs { rope: Some(rope), ..self }
+    }
+    /// [`with_rope`](Self::with_rope) where `Some`; `None`: no rotation.
+    pub fn maybe_rope(self, rope: Option<QkvRope<'a>>) -> Self {
+        QkvBshdArgs { rope, ..self }
+    }
+}
+
+impl<'a, T> RopeBshdArgs<'a, T> {
+    /// The arguments: `q_proj` is `[batch, seq_len, num_q_heads, head_size]`.
+    pub fn new(
+        q_proj: &'a [T],
+        (batch, seq_len, num_q_heads): (usize, usize, usize),
+        freqs_cis: impl Into<Freqs<'a>>,
+        valid_lengths: &'a [u32],
+        interleaved: bool,
+    ) -> Self {
+        RopeBshdArgs { q_proj, batch, seq_len, num_q_heads, freqs_cis: freqs_cis.into(), valid_lengths, interleaved }
+    }
+}
+
+impl<'a, T> RopeRaggedArgs<'a, T> {
+    /// The arguments, each row at its cache position: `q_proj` is
+    /// `[M, num_q_heads, q_head_size]`.
+    pub fn new(
+        q_proj: &'a [T],
+        input_row_offsets: &'a [u32],
+        (num_q_heads, q_head_size): (usize, usize),
+        freqs_cis: impl Into<Freqs<'a>>,
+        rope_dim: usize,
+        interleaved: bool,
+    ) -> Self {
+        RopeRaggedArgs {
+            q_proj,
+            input_row_offsets,
+            num_q_heads,
+            q_head_size,
+            freqs_cis: freqs_cis.into(),
+            rope_dim,
+            position_ids: None,
+            interleaved,
+        }
+    }
+    /// Row `i` takes freqs row `position_ids[i]`.
+    pub fn with_position_ids(self, position_ids: &'a [u32]) -> Self {
+        RopeRaggedArgs { position_ids: Some(position_ids), ..self }
+    }
+    /// [`with_position_ids`](Self::with_position_ids) where `Some`; `None`: each row at its
+    /// cache position.
+    pub fn maybe_position_ids(self, position_ids: Option<&'a [u32]>) -> Self {
+        RopeRaggedArgs { position_ids, ..self }
+    }
+}
+
+impl<'a, T> KvStoreRaggedArgs<'a, T> {
+    /// The arguments: `values` is `[M, num_kv_heads, head_size]`.
+    pub fn new(values: &'a [T], input_row_offsets: &'a [u32], which: KvSel) -> Self {
+        KvStoreRaggedArgs { values, input_row_offsets, which }
+    }
+}
+
+impl<'a, T> KvStoreBshdArgs<'a, T> {
+    /// The arguments: `values` is `[batch, seq_len, num_kv_heads, head_size]`.
+    pub fn new(values: &'a [T], (batch, seq_len): (usize, usize), valid_lengths: &'a [u32], which: KvSel) -> Self {
+        KvStoreBshdArgs { values, batch, seq_len, valid_lengths, which }
+    }
 }
 
 /// A RoPE table as MAX builds it (`max/nn/rotary_embedding.py`): `rows` rows of `dim` values, row
@@ -324,7 +551,7 @@ fn check_rope_bshd<T: Element, C: Element>(
     check_tensor("output", output_len, &[batch, s, hq, d])?;
     check_valid_lengths(args.valid_lengths, batch, s)?;
     check_table_batch(&kv.page_table, batch)?;
-    let rows = freqs_rows(args.freqs_cis, d)?;
+    let rows = freqs_rows(args.freqs_cis.len(), d)?;
     for (b, &v) in args.valid_lengths.iter().enumerate() {
         if v > 0 {
             check_freqs_row(kv.page_table.cache_length(b) as u64 + v as u64 - 1, rows)?;
@@ -335,8 +562,8 @@ fn check_rope_bshd<T: Element, C: Element>(
 
 /// Validates [`rope_ragged`](crate::reference::rope_ragged)'s arguments and returns its slot plan
 /// and positions.
-pub(crate) fn validate_rope_ragged<T: Element, F: Element, C: Element>(
-    args: &RopeRaggedArgs<'_, T, F>,
+pub(crate) fn validate_rope_ragged<T: Element, C: Element>(
+    args: &RopeRaggedArgs<'_, T>,
     output_len: usize,
     kv: &KvWrite<'_, C>,
 ) -> Result<(SlotPlan, Positions)> {
@@ -350,9 +577,9 @@ pub(crate) fn validate_rope_ragged<T: Element, F: Element, C: Element>(
 }
 
 /// [`validate_rope_ragged`]'s checks before its rows' (its arguments' shapes, `input_row_offsets`,
-/// the table's batch, the freqs' dtype and width), in its order; returns the freqs' rows.
-fn check_rope_ragged<T: Element, F: Element, C: Element>(
-    args: &RopeRaggedArgs<'_, T, F>,
+/// the table's batch, the freqs' width), in its order; returns the freqs' rows.
+fn check_rope_ragged<T: Element, C: Element>(
+    args: &RopeRaggedArgs<'_, T>,
     output_len: usize,
     kv: &KvWrite<'_, C>,
 ) -> Result<usize> {
@@ -367,10 +594,7 @@ fn check_rope_ragged<T: Element, F: Element, C: Element>(
     check_tensor("output", output_len, &[m, hq, dq])?;
     check_offsets(args.input_row_offsets, m)?;
     check_table_batch(&kv.page_table, args.input_row_offsets.len() - 1)?;
-    if F::DTYPE == crate::DType::F8E4M3 {
-        return Err(Error::Unsupported { what: "E4M3 freqs_cis (use f32, bf16 or f16)".into() });
-    }
-    freqs_rows(args.freqs_cis, rd)
+    freqs_rows(args.freqs_cis.len(), rd)
 }
 
 /// The fast path's validation of a ragged RoPE call, without a pass over its rows where none is
@@ -381,8 +605,8 @@ fn check_rope_ragged<T: Element, F: Element, C: Element>(
 /// Every row's freqs row is then below the freqs' rows: `position_ids[r]` (checked here, one
 /// comparison per row) or its cache position `cache_lengths[b] + t` (checked here per sequence,
 /// at its last token).
-pub(crate) fn rope_ragged_slots<'a, T: Element, F: Element, C: Element>(
-    args: &RopeRaggedArgs<'a, T, F>,
+pub(crate) fn rope_ragged_slots<'a, T: Element, C: Element>(
+    args: &RopeRaggedArgs<'a, T>,
     output_len: usize,
     kv: &KvWrite<'a, C>,
 ) -> Option<SeqSlots<'a>> {
@@ -655,15 +879,15 @@ pub(crate) fn check_tensor(arg: &'static str, len: usize, dims: &[usize]) -> Res
     if len == want { Ok(()) } else { Err(Error::dims(arg, dims, len)) }
 }
 
-/// Checks an element-wise RoPE freqs table and returns its row count.
-pub(crate) fn freqs_rows<F: Element>(freqs: &[F], width: usize) -> Result<usize> {
+/// Checks a RoPE freqs table of `len` elements and returns its row count.
+pub(crate) fn freqs_rows(len: usize, width: usize) -> Result<usize> {
     if width == 0 {
         return Err(Error::dim("freqs_cis", "the row width must be at least 1"));
     }
-    if !freqs.len().is_multiple_of(width) {
-        return Err(Error::Shape { arg: "freqs_cis", expected: Expected::RowsOf(width), found: freqs.len() });
+    if !len.is_multiple_of(width) {
+        return Err(Error::Shape { arg: "freqs_cis", expected: Expected::RowsOf(width), found: len });
     }
-    Ok(freqs.len() / width)
+    Ok(len / width)
 }
 
 /// Validates a bf16/f16/f32 ragged fused QKV call (`weight` is `[n, k]`, already checked) and

@@ -17,7 +17,7 @@ use crate::formats::{BlockFormat, QuantizedRef, fp4};
 use crate::ops::{
     Accumulation, Freqs, KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, QkvRope,
     RopeBshdArgs, RopeMath, RopeRaggedArgs, validate_fp4, validate_kv_store_bshd, validate_kv_store_ragged,
-    validate_qkv_bshd, validate_qkv_ragged, validate_rope_bshd, validate_rope_ragged, weight_rows,
+    validate_qkv_bshd, validate_qkv_ragged, validate_rope_bshd, validate_rope_ragged, weight_rows, with_freqs,
 };
 use exact::{ExactSum, f32_parts};
 
@@ -148,15 +148,17 @@ pub fn rope_bshd<T: Element, C: Element>(
     let d = kv.cache.shape().head_size();
     let hq = args.num_q_heads;
     let pairs = rope_pairs(d, d, args.interleaved);
-    for (r, slot) in plan.rows.iter().enumerate() {
-        let (Some(slot), Some(p)) = (slot, positions[r]) else { continue };
-        let f = &args.freqs_cis[p * d..][..d];
-        for h in 0..hq {
-            let base = (r * hq + h) * d;
-            rotate(&args.q_proj[base..base + d], &mut output[base..base + d], f, &pairs, math);
+    with_freqs!(args.freqs_cis, freqs => {
+        for (r, slot) in plan.rows.iter().enumerate() {
+            let (Some(slot), Some(p)) = (slot, positions[r]) else { continue };
+            let f = &freqs[p * d..][..d];
+            for h in 0..hq {
+                let base = (r * hq + h) * d;
+                rotate(&args.q_proj[base..base + d], &mut output[base..base + d], f, &pairs, math);
+            }
+            rotate_k(&mut kv.cache, kv.layer_idx, slot.block, slot.offset, f, &pairs, math);
         }
-        rotate_k(&mut kv.cache, kv.layer_idx, slot.block, slot.offset, f, &pairs, math);
-    }
+    });
     Ok(())
 }
 
@@ -167,8 +169,8 @@ pub fn rope_bshd<T: Element, C: Element>(
 ///
 /// Supported: one position per token (`position_ids` `[M]`); MAX's multi-section mrope is not.
 #[doc(alias = "fused_qk_rope_ragged")]
-pub fn rope_ragged<T: Element, F: Element, C: Element>(
-    args: &RopeRaggedArgs<'_, T, F>,
+pub fn rope_ragged<T: Element, C: Element>(
+    args: &RopeRaggedArgs<'_, T>,
     output: &mut [T],
     kv: &mut KvWrite<'_, C>,
     math: RopeMath,
@@ -177,16 +179,18 @@ pub fn rope_ragged<T: Element, F: Element, C: Element>(
     let (hq, dq, dk, rd) = (args.num_q_heads, args.q_head_size, kv.cache.shape().head_size(), args.rope_dim);
     let q_pairs = rope_pairs(dq, rd, args.interleaved);
     let k_pairs = rope_pairs(dk, rd, args.interleaved);
-    for (r, slot) in plan.rows.iter().enumerate() {
-        let (Some(slot), Some(p)) = (slot, positions[r]) else { continue };
-        let f = &args.freqs_cis[p * rd..][..rd];
-        for h in 0..hq {
-            let base = (r * hq + h) * dq;
-            output[base..base + dq].copy_from_slice(&args.q_proj[base..base + dq]);
-            rotate(&args.q_proj[base..base + dq], &mut output[base..base + dq], f, &q_pairs, math);
+    with_freqs!(args.freqs_cis, freqs => {
+        for (r, slot) in plan.rows.iter().enumerate() {
+            let (Some(slot), Some(p)) = (slot, positions[r]) else { continue };
+            let f = &freqs[p * rd..][..rd];
+            for h in 0..hq {
+                let base = (r * hq + h) * dq;
+                output[base..base + dq].copy_from_slice(&args.q_proj[base..base + dq]);
+                rotate(&args.q_proj[base..base + dq], &mut output[base..base + dq], f, &q_pairs, math);
+            }
+            rotate_k(&mut kv.cache, kv.layer_idx, slot.block, slot.offset, f, &k_pairs, math);
         }
-        rotate_k(&mut kv.cache, kv.layer_idx, slot.block, slot.offset, f, &k_pairs, math);
-    }
+    });
     Ok(())
 }
 

@@ -25,8 +25,8 @@ fn run1(a: QuantizedRef<'_>, w: QuantizedRef<'_>, q_dim: usize, tsf: f32, exec: 
     let lookup: Vec<u32> = (0..m as u32).collect();
     let table = PageTable::new(&lookup, m, &[0]).unwrap();
     let mut kv = KvWrite::new(cache.view_mut(), table, 0);
-    let args =
-        QkvFp4Args { hidden_state: a, input_row_offsets: &[0, m as u32], weight: w, tensor_sf: tsf, q_dim, rope: None };
+    let offsets = [0, m as u32];
+    let args = QkvFp4Args::new(a, &offsets, w, q_dim).with_tensor_sf(tsf);
     match exec {
         Some(e) => fast::qkv_fp4_ragged(&args, &mut out, &mut kv, e).unwrap(),
         None => reference::qkv_fp4_ragged(&args, &mut out, &mut kv, Accumulation::Exact).unwrap(),
@@ -214,7 +214,7 @@ fn every_destination_dtype() {
         let mut out = vec![O::default(); s.rows.len() * s.q_dim];
         let table = PageTable::new(&s.pages.lookup, s.pages.cols, &s.pages.cache_lengths).unwrap();
         let mut kv = KvWrite::new(cache.view_mut(), table, s.layer);
-        let args = QkvFp4PackedArgs { tensor_sf: tsf, ..QkvFp4PackedArgs::new(s.a.as_ref(), &s.offsets, pw, s.q_dim) };
+        let args = QkvFp4PackedArgs::new(s.a.as_ref(), &s.offsets, pw, s.q_dim).with_tensor_sf(tsf);
         fast::qkv_fp4_ragged_packed(&args, &mut out, &mut kv, e).unwrap();
         (out, cache.into_vec())
     }
@@ -299,7 +299,7 @@ fn run_fused(s: &crate::fp4_setup::Setup, pw: &PackedWeights, tsf: f32, e: Exec)
     let mut out = vec![0f32; s.rows.len() * s.q_dim];
     let table = PageTable::new(&s.pages.lookup, s.pages.cols, &s.pages.cache_lengths).unwrap();
     let mut kv = KvWrite::new(cache.view_mut(), table, s.layer);
-    let args = QkvFp4PackedArgs { tensor_sf: tsf, ..QkvFp4PackedArgs::new(s.a.as_ref(), &s.offsets, pw, s.q_dim) };
+    let args = QkvFp4PackedArgs::new(s.a.as_ref(), &s.offsets, pw, s.q_dim).with_tensor_sf(tsf);
     fast::qkv_fp4_ragged_packed(&args, &mut out, &mut kv, e).unwrap();
     (out, cache.into_vec())
 }

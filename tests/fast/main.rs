@@ -27,14 +27,7 @@ use proptest::prelude::{ProptestConfig, any, prop_assert_eq, proptest};
 fn run<O: Element, C: Element>(s: &Setup, tsf: f32, exec: Option<Exec>, seed: u64) -> (Vec<O>, Vec<C>) {
     let mut cache: PagedKvCache<C> = random_cache(&mut Rng::new(seed), s.shape);
     let mut out = vec![O::from_f32(-7.0); s.rows.len() * s.q_dim];
-    let args = QkvFp4Args {
-        hidden_state: s.a.as_ref(),
-        input_row_offsets: &s.offsets,
-        weight: s.w.as_ref(),
-        tensor_sf: tsf,
-        q_dim: s.q_dim,
-        rope: None,
-    };
+    let args = QkvFp4Args::new(s.a.as_ref(), &s.offsets, s.w.as_ref(), s.q_dim).with_tensor_sf(tsf);
     let table = PageTable::new(&s.pages.lookup, s.pages.cols, &s.pages.cache_lengths).unwrap();
     let mut kv = KvWrite::new(cache.view_mut(), table, s.layer);
     match exec {
@@ -441,14 +434,7 @@ fn packed_entry_point_and_validation() {
     let mut cache: PagedKvCache<f32> = random_cache(&mut Rng::new(4), s.shape);
     let mut out = vec![-7.0f32; 5 * s.q_dim];
     let table = PageTable::new(&s.pages.lookup, s.pages.cols, &s.pages.cache_lengths).unwrap();
-    let args = QkvFp4PackedArgs {
-        hidden_state: s.a.as_ref(),
-        input_row_offsets: &s.offsets,
-        weight: &packed,
-        tensor_sf: 1.0,
-        q_dim: s.q_dim,
-        rope: None,
-    };
+    let args = QkvFp4PackedArgs::new(s.a.as_ref(), &s.offsets, &packed, s.q_dim).with_tensor_sf(1.0);
     let mut kv = KvWrite::new(cache.view_mut(), table, s.layer);
     qkv_fp4_ragged_packed(&args, &mut out, &mut kv, Exec::default()).unwrap();
     assert_eq!(bits(&out), bits(&raw.0));

@@ -164,56 +164,24 @@ pub fn run<T: Element, O: Element, C: Element>(s: &Plain<T>, how: How, seed: u64
     let packed = || PackedPlainWeights::new(&s.w, s.k).unwrap();
     let r = match &s.offsets {
         Some(offs) => {
-            let args = QkvRaggedArgs {
-                hidden_state: &s.x,
-                input_row_offsets: offs,
-                weight: &s.w,
-                hidden_size: s.k,
-                bias: s.bias.as_deref(),
-                q_dim: s.q_dim,
-                rope: None,
-            };
+            let args = QkvRaggedArgs::new(&s.x, offs, &s.w, s.k, s.q_dim).maybe_bias(s.bias.as_deref());
             match how {
                 How::Fast(e) => fast::qkv_ragged(&args, &mut out, &mut kv, e),
                 How::Packed(e) => {
                     let pw = packed();
-                    let pargs = QkvRaggedPackedArgs {
-                        hidden_state: &s.x,
-                        input_row_offsets: offs,
-                        weight: &pw,
-                        bias: s.bias.as_deref(),
-                        q_dim: s.q_dim,
-                        rope: None,
-                    };
+                    let pargs = QkvRaggedPackedArgs::new(&s.x, offs, &pw, s.q_dim).maybe_bias(s.bias.as_deref());
                     fast::qkv_ragged_packed(&pargs, &mut out, &mut kv, e)
                 }
                 How::Oracle => reference::qkv_ragged(&args, &mut out, &mut kv, Accumulation::Exact),
             }
         }
         None => {
-            let args = QkvBshdArgs {
-                hidden_state: &s.x,
-                batch: s.batch,
-                seq_len: s.seq,
-                hidden_size: s.k,
-                weight: &s.w,
-                valid_lengths: &s.valid,
-                q_dim: s.q_dim,
-                rope: None,
-            };
+            let args = QkvBshdArgs::new(&s.x, (s.batch, s.seq, s.k), &s.w, &s.valid, s.q_dim);
             match how {
                 How::Fast(e) => fast::qkv_bshd(&args, &mut out, &mut kv, e),
                 How::Packed(e) => {
                     let pw = packed();
-                    let pargs = QkvBshdPackedArgs {
-                        hidden_state: &s.x,
-                        batch: s.batch,
-                        seq_len: s.seq,
-                        weight: &pw,
-                        valid_lengths: &s.valid,
-                        q_dim: s.q_dim,
-                        rope: None,
-                    };
+                    let pargs = QkvBshdPackedArgs::new(&s.x, (s.batch, s.seq), &pw, &s.valid, s.q_dim);
                     fast::qkv_bshd_packed(&pargs, &mut out, &mut kv, e)
                 }
                 How::Oracle => reference::qkv_bshd(&args, &mut out, &mut kv, Accumulation::Exact),

@@ -44,13 +44,13 @@ struct Ragged {
 
 /// Fast (every ISA) and reference `rope_ragged`, compared bit for bit on the output and the
 /// whole cache; run twice (rotating twice).
-fn check_ragged<T: Element, F: Element, C: Element>(rng: &mut Rng, c: &Ragged) {
+fn check_ragged<T: Element, F: paged_qkv::FreqsElement, C: Element>(rng: &mut Rng, c: &Ragged) {
     check_ragged_values::<T, F, C>(rng, c, &|rng| rng.normal(), None)
 }
 
 /// [`check_ragged`] with Q values drawn by `value`, and the cache's too when `cache_value` is given
 /// (else a random finite cache).
-fn check_ragged_values<T: Element, F: Element, C: Element>(
+fn check_ragged_values<T: Element, F: paged_qkv::FreqsElement, C: Element>(
     rng: &mut Rng,
     c: &Ragged,
     value: &dyn Fn(&mut Rng) -> f32,
@@ -88,16 +88,8 @@ fn check_ragged_values<T: Element, F: Element, C: Element>(
     let layer = rng.below(2);
     for interleaved in [false, true] {
         for math in [RopeMath::F32, RopeMath::MaxCompat] {
-            let args = RopeRaggedArgs {
-                q_proj: &q,
-                input_row_offsets: &offs,
-                num_q_heads: c.hq,
-                q_head_size: c.dq,
-                freqs_cis: &f,
-                rope_dim: c.rd,
-                position_ids: ids.as_deref(),
-                interleaved,
-            };
+            let args =
+                RopeRaggedArgs::new(&q, &offs, (c.hq, c.dq), &f, c.rd, interleaved).maybe_position_ids(ids.as_deref());
             let run = |e: Option<Exec>| -> (Vec<u32>, Vec<u32>) {
                 let mut cache: PagedKvCache<C> = match cache_value {
                     Some(v) => {
@@ -302,16 +294,7 @@ fn rope_output_near_q_every_isa_bit_for_bit() {
                     let (qs, rest) = buf.split_at_mut(n);
                     let out = &mut rest[pad..];
                     assert_eq!((out.as_ptr() as usize - qs.as_ptr() as usize) % 4096, gap);
-                    let args = RopeRaggedArgs {
-                        q_proj: qs,
-                        input_row_offsets: &offs,
-                        num_q_heads: hq,
-                        q_head_size: d,
-                        freqs_cis: &f,
-                        rope_dim: rd,
-                        position_ids: None,
-                        interleaved,
-                    };
+                    let args = RopeRaggedArgs::new(qs, &offs, (hq, d), &f, rd, interleaved);
                     let mut cache: PagedKvCache<T> = random_cache(&mut Rng::new(5), shape);
                     let table = PageTable::new(&pg.lookup, pg.cols, &pg.cache_lengths).unwrap();
                     let mut kv = KvWrite::new(cache.view_mut(), table, 0);
@@ -361,16 +344,7 @@ fn rope_nan_payload_freqs_stay_nan() {
     let shape = CacheShape::mha(4, 1, 4, hkv, d).unwrap();
     let offs = [0, tokens as u32];
     for interleaved in [false, true] {
-        let args = RopeRaggedArgs {
-            q_proj: &q,
-            input_row_offsets: &offs,
-            num_q_heads: hq,
-            q_head_size: d,
-            freqs_cis: &f,
-            rope_dim: d,
-            position_ids: None,
-            interleaved,
-        };
+        let args = RopeRaggedArgs::new(&q, &offs, (hq, d), &f, d, interleaved);
         let run = |e: Option<Exec>| {
             let mut cache: PagedKvCache<bf16> = random_cache(&mut Rng::new(5), shape);
             let mut out = vec![bf16::from_f32(-3.0); q.len()];
@@ -407,15 +381,7 @@ fn rope_bshd_every_isa_bit_for_bit() {
                 let f: Vec<$t> = freqs(max_pos, d);
                 for (interleaved, math) in [(true, RopeMath::F32), (false, RopeMath::MaxCompat), (false, RopeMath::F32)]
                 {
-                    let args = RopeBshdArgs {
-                        q_proj: &q,
-                        batch,
-                        seq_len: seq,
-                        num_q_heads: hq,
-                        freqs_cis: &f,
-                        valid_lengths: &valid,
-                        interleaved,
-                    };
+                    let args = RopeBshdArgs::new(&q, (batch, seq, hq), &f, &valid, interleaved);
                     let run = |e: Option<Exec>| {
                         let mut cache: PagedKvCache<$t> = random_cache(&mut Rng::new(6), shape);
                         let mut out = vec![<$t>::from_f32(-3.0); q.len()];
@@ -476,14 +442,8 @@ fn fused_rope_equals_qkv_then_rope() {
         let m = s.rows.len();
         let f: Vec<bf16> = freqs(32, rd);
         let ids: Option<Vec<u32>> = (case % 2 == 1).then(|| (0..m).map(|i| (i * 3 % 31) as u32).collect());
-        let rope = QkvRope {
-            freqs_cis: Freqs::Bf16(&f),
-            q_head_size: hd,
-            rope_dim: rd,
-            interleaved,
-            position_ids: ids.as_deref(),
-            math,
-        };
+        let rope =
+            QkvRope::new(Freqs::Bf16(&f), hd, rd, interleaved).maybe_position_ids(ids.as_deref()).with_math(math);
         let pw = PackedWeights::new(s.w.as_ref());
         for e in execs() {
             let run = |fused: bool| {
@@ -491,23 +451,13 @@ fn fused_rope_equals_qkv_then_rope() {
                 let mut q = vec![bf16::ZERO; m * s.q_dim];
                 let table = PageTable::new(&s.pages.lookup, s.pages.cols, &s.pages.cache_lengths).unwrap();
                 let mut kv = KvWrite::new(cache.view_mut(), table, s.layer);
-                let args = QkvFp4PackedArgs {
-                    rope: fused.then_some(rope),
-                    ..QkvFp4PackedArgs::new(s.a.as_ref(), &s.offsets, &pw, s.q_dim)
-                };
+                let args =
+                    QkvFp4PackedArgs::new(s.a.as_ref(), &s.offsets, &pw, s.q_dim).maybe_rope(fused.then_some(rope));
                 fast::qkv_fp4_ragged_packed(&args, &mut q, &mut kv, e).unwrap();
                 if !fused {
                     let qp = q.clone();
-                    let r = RopeRaggedArgs {
-                        q_proj: &qp,
-                        input_row_offsets: &s.offsets,
-                        num_q_heads: s.q_dim / hd,
-                        q_head_size: hd,
-                        freqs_cis: &f,
-                        rope_dim: rd,
-                        position_ids: ids.as_deref(),
-                        interleaved,
-                    };
+                    let r = RopeRaggedArgs::new(&qp, &s.offsets, (s.q_dim / hd, hd), &f, rd, interleaved)
+                        .maybe_position_ids(ids.as_deref());
                     fast::rope_ragged(&r, &mut q, &mut kv, math, e).unwrap();
                 }
                 (bits(&q), bits(cache.data()))
@@ -534,14 +484,7 @@ fn fused_rope_equals_qkv_then_rope() {
             let ps = plain_setup::<bf16>(&mut rng, &pc);
             let rd = if ragged { rd } else { hd };
             let f: Vec<f32> = freqs(16, rd);
-            let rope = QkvRope {
-                freqs_cis: Freqs::F32(&f),
-                q_head_size: hd,
-                rope_dim: rd,
-                interleaved,
-                position_ids: None,
-                math,
-            };
+            let rope = QkvRope::new(Freqs::F32(&f), hd, rd, interleaved).with_math(math);
             let pw = PackedPlainWeights::new(&ps.w, ps.k).unwrap();
             let mut all = vec![None];
             all.extend(execs().into_iter().map(Some));
@@ -554,27 +497,14 @@ fn fused_rope_equals_qkv_then_rope() {
                     let r = fused.then_some(rope);
                     match (&ps.offsets, e) {
                         (Some(offs), Some(e)) => {
-                            let a = QkvRaggedPackedArgs {
-                                hidden_state: &ps.x,
-                                input_row_offsets: offs,
-                                weight: &pw,
-                                bias: ps.bias.as_deref(),
-                                q_dim: ps.q_dim,
-                                rope: r,
-                            };
+                            let a = QkvRaggedPackedArgs::new(&ps.x, offs, &pw, ps.q_dim)
+                                .maybe_bias(ps.bias.as_deref())
+                                .maybe_rope(r);
                             fast::qkv_ragged_packed(&a, &mut q, &mut kv, e).unwrap();
                         }
                         (None, e) => {
-                            let a = QkvBshdArgs {
-                                hidden_state: &ps.x,
-                                batch: ps.batch,
-                                seq_len: ps.seq,
-                                hidden_size: ps.k,
-                                weight: &ps.w,
-                                valid_lengths: &ps.valid,
-                                q_dim: ps.q_dim,
-                                rope: r,
-                            };
+                            let a = QkvBshdArgs::new(&ps.x, (ps.batch, ps.seq, ps.k), &ps.w, &ps.valid, ps.q_dim)
+                                .maybe_rope(r);
                             match e {
                                 Some(e) => fast::qkv_bshd(&a, &mut q, &mut kv, e).unwrap(),
                                 None => {
@@ -583,15 +513,9 @@ fn fused_rope_equals_qkv_then_rope() {
                             }
                         }
                         (Some(offs), None) => {
-                            let a = paged_qkv::QkvRaggedArgs {
-                                hidden_state: &ps.x,
-                                input_row_offsets: offs,
-                                weight: &ps.w,
-                                hidden_size: ps.k,
-                                bias: ps.bias.as_deref(),
-                                q_dim: ps.q_dim,
-                                rope: r,
-                            };
+                            let a = paged_qkv::QkvRaggedArgs::new(&ps.x, offs, &ps.w, ps.k, ps.q_dim)
+                                .maybe_bias(ps.bias.as_deref())
+                                .maybe_rope(r);
                             reference::qkv_ragged(&a, &mut q, &mut kv, paged_qkv::Accumulation::Exact).unwrap();
                         }
                     }
@@ -600,16 +524,7 @@ fn fused_rope_equals_qkv_then_rope() {
                         let ex = e.unwrap_or(Exec::sequential().with_isa(Isa::Scalar));
                         match &ps.offsets {
                             Some(offs) => {
-                                let a = RopeRaggedArgs {
-                                    q_proj: &qp,
-                                    input_row_offsets: offs,
-                                    num_q_heads: ps.q_dim / hd,
-                                    q_head_size: hd,
-                                    freqs_cis: &f,
-                                    rope_dim: rd,
-                                    position_ids: None,
-                                    interleaved,
-                                };
+                                let a = RopeRaggedArgs::new(&qp, offs, (ps.q_dim / hd, hd), &f, rd, interleaved);
                                 match e {
                                     Some(_) => fast::rope_ragged(&a, &mut q, &mut kv, math, ex).unwrap(),
                                     None => reference::rope_ragged(&a, &mut q, &mut kv, math).unwrap(),
@@ -630,16 +545,7 @@ fn fused_rope_equals_qkv_then_rope() {
                                         .unwrap();
                                     let mut kv1 = KvWrite::new(kv.cache.reborrow(), table, ps.layer);
                                     let row = &qp[i * ps.q_dim..(i + 1) * ps.q_dim];
-                                    let a = RopeRaggedArgs {
-                                        q_proj: row,
-                                        input_row_offsets: &[0, 1],
-                                        num_q_heads: ps.q_dim / hd,
-                                        q_head_size: hd,
-                                        freqs_cis: &f,
-                                        rope_dim: rd,
-                                        position_ids: None,
-                                        interleaved,
-                                    };
+                                    let a = RopeRaggedArgs::new(row, &[0, 1], (ps.q_dim / hd, hd), &f, rd, interleaved);
                                     let o = &mut q[i * ps.q_dim..(i + 1) * ps.q_dim];
                                     match e {
                                         Some(_) => fast::rope_ragged(&a, o, &mut kv1, math, ex).unwrap(),
@@ -665,46 +571,13 @@ fn rope_errors_write_nothing() {
     let (lookup, lens) = ([0u32, 1, 2, 3], [0u32, 5]);
     let q = vec![bf16::ONE; 3 * 2 * 8];
     let f: Vec<bf16> = freqs(6, 8);
-    let cases: [(&str, RopeRaggedArgs<'_, bf16, bf16>); 3] = [
+    let cases: [(&str, RopeRaggedArgs<'_, bf16>); 3] = [
         // Sequence 1 has 2 tokens at positions 5 and 6: the table has rows 0..6.
-        (
-            "freqs too short",
-            RopeRaggedArgs {
-                q_proj: &q,
-                input_row_offsets: &[0, 1, 3],
-                num_q_heads: 2,
-                q_head_size: 8,
-                freqs_cis: &f,
-                rope_dim: 8,
-                position_ids: None,
-                interleaved: true,
-            },
-        ),
-        (
-            "odd rope_dim",
-            RopeRaggedArgs {
-                q_proj: &q,
-                input_row_offsets: &[0, 1, 3],
-                num_q_heads: 2,
-                q_head_size: 8,
-                freqs_cis: &f[..35],
-                rope_dim: 7,
-                position_ids: None,
-                interleaved: false,
-            },
-        ),
+        ("freqs too short", RopeRaggedArgs::new(&q, &[0, 1, 3], (2, 8), &f, 8, true)),
+        ("odd rope_dim", RopeRaggedArgs::new(&q, &[0, 1, 3], (2, 8), &f[..35], 7, false)),
         (
             "position id out of range",
-            RopeRaggedArgs {
-                q_proj: &q,
-                input_row_offsets: &[0, 1, 3],
-                num_q_heads: 2,
-                q_head_size: 8,
-                freqs_cis: &f,
-                rope_dim: 8,
-                position_ids: Some(&[0, 1, 6]),
-                interleaved: false,
-            },
+            RopeRaggedArgs::new(&q, &[0, 1, 3], (2, 8), &f, 8, false).with_position_ids(&[0, 1, 6]),
         ),
     ];
     for (what, args) in cases {
@@ -732,28 +605,13 @@ fn rope_errors_write_nothing() {
     // The same through a fused QKV: the QKV part is valid, the RoPE is not; nothing written.
     let w = vec![bf16::from_f32(0.5); 32 * 4];
     let x = vec![bf16::ONE; 3 * 4];
-    let rope = QkvRope {
-        freqs_cis: Freqs::Bf16(&f),
-        q_head_size: 8,
-        rope_dim: 8,
-        interleaved: true,
-        position_ids: Some(&[0, 1, 9]),
-        math: RopeMath::F32,
-    };
+    let rope = QkvRope::new(Freqs::Bf16(&f), 8, 8, true).with_position_ids(&[0, 1, 9]).with_math(RopeMath::F32);
     for e in [None].into_iter().chain(execs().into_iter().map(Some)) {
         let mut cache: PagedKvCache<bf16> = random_cache(&mut Rng::new(8), shape);
         let before = bits(cache.data());
         let mut out = vec![bf16::from_f32(7.0); 3 * 16];
         let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&lookup, 2, &lens).unwrap(), 0);
-        let args = paged_qkv::QkvRaggedArgs {
-            hidden_state: &x,
-            input_row_offsets: &[0, 1, 3],
-            weight: &w,
-            hidden_size: 4,
-            bias: None,
-            q_dim: 16,
-            rope: Some(rope),
-        };
+        let args = paged_qkv::QkvRaggedArgs::new(&x, &[0, 1, 3], &w, 4, 16).with_rope(rope);
         let err = match e {
             Some(e) => fast::qkv_ragged(&args, &mut out, &mut kv, e),
             None => reference::qkv_ragged(&args, &mut out, &mut kv, paged_qkv::Accumulation::Exact),
@@ -774,22 +632,8 @@ fn rope_errors_write_nothing() {
         let before = bits(cache.data());
         let mut out = vec![bf16::from_f32(7.0); 2];
         let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0, 2], 2, &[1]).unwrap(), 0);
-        let args = paged_qkv::QkvRaggedArgs {
-            hidden_state: &[bf16::ONE; 3],
-            input_row_offsets: &[0, 1],
-            weight: &w2,
-            hidden_size: 3,
-            bias: None,
-            q_dim: 2,
-            rope: Some(QkvRope {
-                freqs_cis: Freqs::F32(&f2),
-                q_head_size: 2,
-                rope_dim: 2,
-                interleaved: true,
-                position_ids: None,
-                math: RopeMath::MaxCompat,
-            }),
-        };
+        let args = paged_qkv::QkvRaggedArgs::new(&[bf16::ONE; 3], &[0, 1], &w2, 3, 2)
+            .with_rope(QkvRope::new(Freqs::F32(&f2), 2, 2, true).with_math(RopeMath::MaxCompat));
         let err = match e {
             Some(e) => fast::qkv_ragged(&args, &mut out, &mut kv, e),
             None => reference::qkv_ragged(&args, &mut out, &mut kv, paged_qkv::Accumulation::Exact),
@@ -818,14 +662,14 @@ fn kv_store_bits<T: Element, C: Element>(
     let table = PageTable::new(&pg.lookup, pg.cols, &pg.cache_lengths).unwrap();
     let mut kv = KvWrite::new(cache.view_mut(), table, 1);
     if use_ragged {
-        let a = KvStoreRaggedArgs { values: ragged.0, input_row_offsets: ragged.1, which };
+        let a = KvStoreRaggedArgs::new(ragged.0, ragged.1, which);
         match e {
             Some(e) => fast::kv_store_ragged(&a, &mut kv, e).unwrap(),
             None => reference::kv_store_ragged(&a, &mut kv).unwrap(),
         }
     } else {
         let (values, batch, seq_len, valid_lengths) = padded;
-        let a = KvStoreBshdArgs { values, batch, seq_len, valid_lengths, which };
+        let a = KvStoreBshdArgs::new(values, (batch, seq_len), valid_lengths, which);
         match e {
             Some(e) => fast::kv_store_bshd(&a, &mut kv, e).unwrap(),
             None => reference::kv_store_bshd(&a, &mut kv).unwrap(),
@@ -898,27 +742,10 @@ fn rope_and_kv_store_shared_blocks_every_isa() {
         let (q, vals) = (&q[..m * 48], &vals[..m * 32]);
         let mut out = vec![bf16::from_f32(-3.0); q.len()];
         let table = PageTable::new(&lookup, 2, cache_lengths).unwrap();
-        let ragged = RopeRaggedArgs {
-            q_proj: q,
-            input_row_offsets: &offs,
-            num_q_heads: 3,
-            q_head_size: 16,
-            freqs_cis: &f,
-            rope_dim: 16,
-            position_ids: None,
-            interleaved: false,
-        };
-        let bshd = RopeBshdArgs {
-            q_proj: q,
-            batch: 2,
-            seq_len: 6,
-            num_q_heads: 3,
-            freqs_cis: &fb,
-            valid_lengths: &valid,
-            interleaved: false,
-        };
-        let store = KvStoreRaggedArgs { values: vals, input_row_offsets: &offs, which: KvSel::V };
-        let store_bshd = KvStoreBshdArgs { values: vals, batch: 2, seq_len: 6, valid_lengths: &valid, which: KvSel::V };
+        let ragged = RopeRaggedArgs::new(q, &offs, (3, 16), &f, 16, false);
+        let bshd = RopeBshdArgs::new(q, (2, 6, 3), &fb, &valid, false);
+        let store = KvStoreRaggedArgs::new(vals, &offs, KvSel::V);
+        let store_bshd = KvStoreBshdArgs::new(vals, (2, 6), &valid, KvSel::V);
         let mut kv = KvWrite::new(cache.view_mut(), table, 0);
         let r = match (e, padded) {
             (Some(e), false) => fast::kv_store_ragged(&store, &mut kv, e)
@@ -993,7 +820,7 @@ fn kv_stores_edge_values_every_isa() {
                     let mut cache: PagedKvCache<$c> = random_cache(&mut Rng::new(2), shape);
                     let table = PageTable::new(&pg.lookup, pg.cols, &pg.cache_lengths).unwrap();
                     let mut kv = KvWrite::new(cache.view_mut(), table, 0);
-                    let a = KvStoreRaggedArgs { values: &vals, input_row_offsets: &offs, which };
+                    let a = KvStoreRaggedArgs::new(&vals, &offs, which);
                     match e {
                         Some(e) => fast::kv_store_ragged(&a, &mut kv, e).unwrap(),
                         None => reference::kv_store_ragged(&a, &mut kv).unwrap(),
@@ -1080,7 +907,7 @@ fn kv_stores_same_type_exact_bits_every_isa() {
 
 /// A KV store followed by a RoPE on the same cache, ragged or padded (bf16 values and Q).
 enum StoreThenRope<'a> {
-    Ragged(KvStoreRaggedArgs<'a, bf16>, RopeRaggedArgs<'a, bf16, f32>),
+    Ragged(KvStoreRaggedArgs<'a, bf16>, RopeRaggedArgs<'a, bf16>),
     Bshd(KvStoreBshdArgs<'a, bf16>, RopeBshdArgs<'a, bf16>),
 }
 
@@ -1136,16 +963,8 @@ fn rope_and_kv_store_thread_counts_and_skewed_padding() {
         let new: Vec<usize> = valid.iter().map(|&v| v as usize).collect();
         let pg = pages(&mut rng, &lens, &new, page, 64);
         let (seq_len, valid_lengths) = (seq, &valid[..]);
-        let args = RopeBshdArgs {
-            q_proj: &q,
-            batch,
-            seq_len,
-            num_q_heads: hq,
-            freqs_cis: &f,
-            valid_lengths,
-            interleaved: false,
-        };
-        let store = KvStoreBshdArgs { values: &values, batch, seq_len, valid_lengths, which: KvSel::V };
+        let args = RopeBshdArgs::new(&q, (batch, seq_len, hq), &f, valid_lengths, false);
+        let store = KvStoreBshdArgs::new(&values, (batch, seq_len), valid_lengths, KvSel::V);
         let call = StoreThenRope::Bshd(store, args);
         let cache: PagedKvCache<bf16> = random_cache(&mut Rng::new(8), shape);
         let table = PageTable::new(&pg.lookup, pg.cols, &pg.cache_lengths).unwrap();
@@ -1173,17 +992,8 @@ fn miri_rope_and_kv_store_parallel() {
     let values: Vec<bf16> = (0..m * hkv * d).map(|_| bf16::from_f32(rng.normal())).collect();
     let offs = [0u32, 4, m as u32];
     let lookup = [5u32, 1, 7, 0, 3, 6, 2, 4]; // 2 sequences × 4 pages of 2
-    let store = KvStoreRaggedArgs { values: &values, input_row_offsets: &offs, which: KvSel::K };
-    let rope = RopeRaggedArgs {
-        q_proj: &q,
-        input_row_offsets: &offs,
-        num_q_heads: hq,
-        q_head_size: d,
-        freqs_cis: &freqs,
-        rope_dim: d,
-        position_ids: None,
-        interleaved: false,
-    };
+    let store = KvStoreRaggedArgs::new(&values, &offs, KvSel::K);
+    let rope = RopeRaggedArgs::new(&q, &offs, (hq, d), &freqs, d, false);
     let call = StoreThenRope::Ragged(store, rope);
     let cache: PagedKvCache<bf16> = random_cache(&mut Rng::new(5), shape);
     let table = PageTable::new(&lookup, 4, &[1, 0]).unwrap();

@@ -61,14 +61,7 @@ fn fails(c: &Call) -> Error {
     let before = bits(cache.data());
     let mut out: Vec<bf16> = (0..c.out_len).map(|_| bf16::from_f32(rng.f32())).collect();
     let out_before = bits(&out);
-    let args = QkvFp4Args {
-        hidden_state: c.s.a.as_ref(),
-        input_row_offsets: &c.offsets,
-        weight: c.s.w.as_ref(),
-        tensor_sf: c.tensor_sf,
-        q_dim: c.q_dim,
-        rope: None,
-    };
+    let args = QkvFp4Args::new(c.s.a.as_ref(), &c.offsets, c.s.w.as_ref(), c.q_dim).with_tensor_sf(c.tensor_sf);
     let table = PageTable::new(&c.lookup, c.cols, &c.cache_lengths).unwrap();
     let mut kv = KvWrite::new(cache.view_mut(), table, c.layer);
     let err = qkv_fp4_ragged(&args, &mut out, &mut kv, Accumulation::Exact).expect_err("must fail");
@@ -84,14 +77,7 @@ fn the_base_call_succeeds() {
         let c = base(mla);
         let mut cache: PagedKvCache<bf16> = PagedKvCache::zeros(c.s.shape);
         let mut out = vec![bf16::ZERO; c.out_len];
-        let args = QkvFp4Args {
-            hidden_state: c.s.a.as_ref(),
-            input_row_offsets: &c.offsets,
-            weight: c.s.w.as_ref(),
-            tensor_sf: 1.0,
-            q_dim: c.q_dim,
-            rope: None,
-        };
+        let args = QkvFp4Args::new(c.s.a.as_ref(), &c.offsets, c.s.w.as_ref(), c.q_dim).with_tensor_sf(1.0);
         let mut kv =
             KvWrite::new(cache.view_mut(), PageTable::new(&c.lookup, c.cols, &c.cache_lengths).unwrap(), c.layer);
         qkv_fp4_ragged(&args, &mut out, &mut kv, Accumulation::Exact).unwrap();
@@ -197,14 +183,7 @@ fn slot_conflicts() {
 fn passes(c: &Call) -> PagedKvCache<bf16> {
     let mut cache: PagedKvCache<bf16> = PagedKvCache::zeros(c.s.shape);
     let mut out = vec![bf16::ZERO; c.out_len];
-    let args = QkvFp4Args {
-        hidden_state: c.s.a.as_ref(),
-        input_row_offsets: &c.offsets,
-        weight: c.s.w.as_ref(),
-        tensor_sf: 1.0,
-        q_dim: c.q_dim,
-        rope: None,
-    };
+    let args = QkvFp4Args::new(c.s.a.as_ref(), &c.offsets, c.s.w.as_ref(), c.q_dim).with_tensor_sf(1.0);
     let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&c.lookup, c.cols, &c.cache_lengths).unwrap(), c.layer);
     qkv_fp4_ragged(&args, &mut out, &mut kv, Accumulation::Exact).unwrap();
     cache
@@ -259,16 +238,7 @@ fn bshd_errors() {
     let x = vec![bf16::ONE; 2 * 3 * 8];
     let w = vec![bf16::ONE; 12 * 8];
     let call = |valid: &[u32], out: &mut [bf16], kv: &mut KvWrite<'_, bf16>| {
-        let args = QkvBshdArgs {
-            hidden_state: &x,
-            batch: 2,
-            seq_len: 3,
-            hidden_size: 8,
-            weight: &w,
-            valid_lengths: valid,
-            q_dim: 4,
-            rope: None,
-        };
+        let args = QkvBshdArgs::new(&x, (2, 3, 8), &w, valid, 4);
         qkv_bshd(&args, out, kv, Accumulation::Exact)
     };
     let e = unchanged(shape, &lookup, cols, &lens, 24, |o, kv| call(&[3, 4], o, kv));
@@ -290,15 +260,7 @@ fn rope_and_store_errors() {
     let q = vec![bf16::ONE; 2 * 3 * 2 * 4];
     let freqs = vec![bf16::ONE; 4 * 4]; // 4 rows: positions 0..4
     let call = |valid: &[u32], f: &[bf16], out: &mut [bf16], kv: &mut KvWrite<'_, bf16>| {
-        let args = RopeBshdArgs {
-            q_proj: &q,
-            batch: 2,
-            seq_len: 3,
-            num_q_heads: 2,
-            freqs_cis: f,
-            valid_lengths: valid,
-            interleaved: true,
-        };
+        let args = RopeBshdArgs::new(&q, (2, 3, 2), f, valid, true);
         rope_bshd(&args, out, kv, RopeMath::F32)
     };
     let e = unchanged(shape, &lookup, cols, &lens, 48, |o, kv| call(&[3, 3], &freqs[..8], o, kv));
@@ -307,52 +269,26 @@ fn rope_and_store_errors() {
     assert!(matches!(e, Error::Shape { arg: "freqs_cis", .. }));
     let odd = CacheShape::mha(8, 1, 4, 1, 3).unwrap();
     let e = unchanged(odd, &lookup, cols, &lens, 36, |o, kv| {
-        let args = RopeBshdArgs {
-            q_proj: &q[..36],
-            batch: 2,
-            seq_len: 3,
-            num_q_heads: 2,
-            freqs_cis: &freqs[..12],
-            valid_lengths: &[1, 1],
-            interleaved: true,
-        };
+        let args = RopeBshdArgs::new(&q[..36], (2, 3, 2), &freqs[..12], &[1, 1], true);
         rope_bshd(&args, o, kv, RopeMath::F32)
     });
     assert!(matches!(e, Error::InvalidDim { arg: "kv_blocks", .. }));
     // Ragged: odd rope_dim.
     let e = unchanged(shape, &lookup, cols, &lens, 8, |o, kv| {
-        let args = RopeRaggedArgs {
-            q_proj: &q[..8],
-            input_row_offsets: &[0, 1, 1],
-            num_q_heads: 2,
-            q_head_size: 4,
-            freqs_cis: &freqs,
-            rope_dim: 3,
-            position_ids: None,
-            interleaved: false,
-        };
+        let args = RopeRaggedArgs::new(&q[..8], &[0, 1, 1], (2, 4), &freqs, 3, false);
         rope_ragged(&args, o, kv, RopeMath::F32)
     });
     assert!(matches!(e, Error::InvalidDim { arg: "rope_dim", .. }));
     // Ragged: a position id past the table.
     let e = unchanged(shape, &lookup, cols, &lens, 8, |o, kv| {
-        let args = RopeRaggedArgs {
-            q_proj: &q[..8],
-            input_row_offsets: &[0, 1, 1],
-            num_q_heads: 2,
-            q_head_size: 4,
-            freqs_cis: &freqs,
-            rope_dim: 4,
-            position_ids: Some(&[4]),
-            interleaved: false,
-        };
+        let args = RopeRaggedArgs::new(&q[..8], &[0, 1, 1], (2, 4), &freqs, 4, false).with_position_ids(&[4]);
         rope_ragged(&args, o, kv, RopeMath::F32)
     });
     assert!(matches!(e, Error::FreqsRows { position: 4, rows: 4 }));
     // Storing V into an MLA cache.
     let mla = CacheShape::mla(8, 1, 4, 1, 4).unwrap();
     let e = unchanged(mla, &lookup, cols, &lens, 0, |_, kv| {
-        kv_store_ragged(&KvStoreRaggedArgs { values: &q[..4], input_row_offsets: &[0, 1, 1], which: KvSel::V }, kv)
+        kv_store_ragged(&KvStoreRaggedArgs::new(&q[..4], &[0, 1, 1], KvSel::V), kv)
     });
     assert!(matches!(e, Error::Unsupported { .. }));
 }
@@ -388,29 +324,12 @@ fn zero_width_dimensions_are_rejected() {
     ));
     let (shape, lookup, cols, lens) = bshd_fixture();
     let e = unchanged(shape, &lookup, cols, &lens, 0, |o, kv| {
-        let args = RopeBshdArgs {
-            q_proj: &[],
-            batch: 2,
-            seq_len: 1 << 40,
-            num_q_heads: 0,
-            freqs_cis: &[bf16::ONE; 4],
-            valid_lengths: &[0, 0],
-            interleaved: true,
-        };
+        let args = RopeBshdArgs::new(&[], (2, 1 << 40, 0), &[bf16::ONE; 4], &[0, 0], true);
         rope_bshd(&args, o, kv, RopeMath::F32)
     });
     assert!(matches!(e, Error::InvalidDim { arg: "num_q_heads", .. }));
     let e = unchanged(shape, &lookup, cols, &lens, 0, |o, kv| {
-        let args = RopeRaggedArgs {
-            q_proj: &[],
-            input_row_offsets: &[0, u32::MAX, u32::MAX],
-            num_q_heads: 0,
-            q_head_size: 4,
-            freqs_cis: &[bf16::ONE; 4],
-            rope_dim: 4,
-            position_ids: None,
-            interleaved: false,
-        };
+        let args = RopeRaggedArgs::new(&[], &[0, u32::MAX, u32::MAX], (0, 4), &[bf16::ONE; 4], 4, false);
         rope_ragged(&args, o, kv, RopeMath::F32)
     });
     assert!(matches!(e, Error::InvalidDim { arg: "num_q_heads", .. }));
@@ -425,7 +344,7 @@ fn kv_store_row_count_is_bounded_by_values_before_rows_are_listed() {
     let mut cache = PagedKvCache::<f32>::zeros(shape);
     let values = vec![0f32; 80];
     let offsets = [0, u32::MAX];
-    let args = KvStoreRaggedArgs { values: &values, input_row_offsets: &offsets, which: KvSel::K };
+    let args = KvStoreRaggedArgs::new(&values, &offsets, KvSel::K);
     for fast in [false, true] {
         let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0], 1, &[0]).unwrap(), 0);
         let e = if fast {

@@ -55,16 +55,7 @@ fn check_bshd<T: Element, O: Element, C: Element>(rng: &mut Rng, c: &Bshd, mode:
     let mut cache: PagedKvCache<C> = random_cache(rng, shape);
     let before = cache.data().to_vec();
     let mut out = vec![O::from_f32(-9.0); c.batch * c.seq * q_dim];
-    let args = QkvBshdArgs {
-        hidden_state: &x,
-        batch: c.batch,
-        seq_len: c.seq,
-        hidden_size: c.k,
-        weight: &w,
-        valid_lengths: &c.valid,
-        q_dim,
-        rope: None,
-    };
+    let args = QkvBshdArgs::new(&x, (c.batch, c.seq, c.k), &w, &c.valid, q_dim);
     let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&pg.lookup, pg.cols, &pg.cache_lengths).unwrap(), 1);
     qkv_bshd(&args, &mut out, &mut kv, mode).unwrap();
     let mut written = Vec::new();
@@ -181,15 +172,7 @@ fn ragged_with_bias() {
         let mut cache: PagedKvCache<f32> = random_cache(&mut rng, shape);
         let before = cache.data().to_vec();
         let mut out = vec![0f32; m * q_dim];
-        let args = QkvRaggedArgs {
-            hidden_state: &x,
-            input_row_offsets: &offs,
-            weight: &w,
-            hidden_size: k,
-            bias: with_bias.then_some(&bias[..]),
-            q_dim,
-            rope: None,
-        };
+        let args = QkvRaggedArgs::new(&x, &offs, &w, k, q_dim).maybe_bias(with_bias.then_some(&bias[..]));
         let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&pg.lookup, pg.cols, &pg.cache_lengths).unwrap(), 0);
         qkv_ragged(&args, &mut out, &mut kv, Accumulation::Exact).unwrap();
         let mut written = Vec::new();
@@ -238,15 +221,7 @@ fn check_bias_rounding<O: Element, C: Element>(mode: Accumulation) {
     let mut cache: PagedKvCache<C> = random_cache(&mut rng, shape);
     let before = cache.data().to_vec();
     let mut out = vec![O::from_f32(0.0); m * q_dim];
-    let args = QkvRaggedArgs {
-        hidden_state: &x,
-        input_row_offsets: &offs,
-        weight: &w,
-        hidden_size: k,
-        bias: Some(&bias),
-        q_dim,
-        rope: None,
-    };
+    let args = QkvRaggedArgs::new(&x, &offs, &w, k, q_dim).with_bias(&bias);
     let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&pg.lookup, pg.cols, &pg.cache_lengths).unwrap(), 0);
     qkv_ragged(&args, &mut out, &mut kv, mode).unwrap();
     // bf16 products are exact in f32, so Sequential's FMA chain is the multiply-then-add chain:
@@ -319,15 +294,7 @@ fn sequential_f32_is_an_fma_chain() {
     let shape = CacheShape::mha(4, 1, 4, 1, 4).unwrap();
     let mut cache: PagedKvCache<f32> = PagedKvCache::zeros(shape);
     let mut out = vec![0f32; q_dim];
-    let args = QkvRaggedArgs {
-        hidden_state: &x,
-        input_row_offsets: &[0, 1],
-        weight: &w,
-        hidden_size: k,
-        bias: None,
-        q_dim,
-        rope: None,
-    };
+    let args = QkvRaggedArgs::new(&x, &[0, 1], &w, k, q_dim);
     let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0], 1, &[0]).unwrap(), 0);
     qkv_ragged(&args, &mut out, &mut kv, Accumulation::Sequential).unwrap();
     let mut differs = 0;

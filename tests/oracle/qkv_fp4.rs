@@ -37,14 +37,7 @@ pub fn run<O: Element, C: Element>(
     let mut cache: PagedKvCache<C> = random_cache(rng, s.shape);
     let before = cache.data().to_vec();
     let mut out = vec![O::from_f32(-7.0); s.rows.len() * s.q_dim];
-    let args = QkvFp4Args {
-        hidden_state: s.a.as_ref(),
-        input_row_offsets: &s.offsets,
-        weight: s.w.as_ref(),
-        tensor_sf,
-        q_dim: s.q_dim,
-        rope: None,
-    };
+    let args = QkvFp4Args::new(s.a.as_ref(), &s.offsets, s.w.as_ref(), s.q_dim).with_tensor_sf(tensor_sf);
     let table = PageTable::new(&s.pages.lookup, s.pages.cols, &s.pages.cache_lengths).unwrap();
     let mut kv = KvWrite::new(cache.view_mut(), table, s.layer);
     qkv_fp4_ragged(&args, &mut out, &mut kv, mode).unwrap();
@@ -92,8 +85,7 @@ fn hand_checkable_value() {
     let (lut, lens) = ([1u32, 0], [2u32]);
     let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&lut, 2, &lens).unwrap(), 0);
     let mut out = [0f32; 1];
-    let args =
-        QkvFp4Args { hidden_state: a, input_row_offsets: &[0, 1], weight: w, tensor_sf: 0.75, q_dim: 1, rope: None };
+    let args = QkvFp4Args::new(a, &[0, 1], w, 1).with_tensor_sf(0.75);
     for mode in [Accumulation::Exact, Accumulation::Sequential] {
         qkv_fp4_ragged(&args, &mut out, &mut kv, mode).unwrap();
         assert_eq!(out[0], 15.0);

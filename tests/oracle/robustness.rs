@@ -170,14 +170,7 @@ fn execute(c: &Call, exec: Option<Exec>) -> (Result<()>, Vec<u32>, Vec<u32>, Vec
                     let wq = quantize(BlockFormat::Nvfp4, &wf, c.w_rows, c.k, 1.0);
                     match (a, wq) {
                         (Ok(a), Ok(wq)) => {
-                            let args = QkvFp4Args {
-                                hidden_state: a.as_ref(),
-                                input_row_offsets: &offs,
-                                weight: wq.as_ref(),
-                                tensor_sf: 0.5,
-                                q_dim: c.q_dim,
-                                rope: None,
-                            };
+                            let args = QkvFp4Args::new(a.as_ref(), &offs, wq.as_ref(), c.q_dim).with_tensor_sf(0.5);
                             if oracle {
                                 qkv_fp4_ragged(&args, &mut out, &mut kv, Accumulation::Exact)
                             } else {
@@ -188,15 +181,7 @@ fn execute(c: &Call, exec: Option<Exec>) -> (Result<()>, Vec<u32>, Vec<u32>, Vec
                     }
                 }
                 1 => {
-                    let args = QkvRaggedArgs {
-                        hidden_state: &x,
-                        input_row_offsets: &offs,
-                        weight: &w,
-                        hidden_size: c.k,
-                        bias: None,
-                        q_dim: c.q_dim,
-                        rope: None,
-                    };
+                    let args = QkvRaggedArgs::new(&x, &offs, &w, c.k, c.q_dim);
                     if oracle {
                         qkv_ragged(&args, &mut out, &mut kv, Accumulation::Exact)
                     } else {
@@ -204,16 +189,7 @@ fn execute(c: &Call, exec: Option<Exec>) -> (Result<()>, Vec<u32>, Vec<u32>, Vec
                     }
                 }
                 2 => {
-                    let args = QkvBshdArgs {
-                        hidden_state: &x,
-                        batch: c.valid.len(),
-                        seq_len: c.seq,
-                        hidden_size: c.k,
-                        weight: &w,
-                        valid_lengths: &c.valid,
-                        q_dim: c.q_dim,
-                        rope: None,
-                    };
+                    let args = QkvBshdArgs::new(&x, (c.valid.len(), c.seq, c.k), &w, &c.valid, c.q_dim);
                     if oracle {
                         qkv_bshd(&args, &mut out, &mut kv, Accumulation::Exact)
                     } else {
@@ -221,15 +197,8 @@ fn execute(c: &Call, exec: Option<Exec>) -> (Result<()>, Vec<u32>, Vec<u32>, Vec
                     }
                 }
                 3 => {
-                    let args = RopeBshdArgs {
-                        q_proj: &x,
-                        batch: c.valid.len(),
-                        seq_len: c.seq,
-                        num_q_heads: c.hq,
-                        freqs_cis: &freqs,
-                        valid_lengths: &c.valid,
-                        interleaved: c.k.is_multiple_of(4),
-                    };
+                    let args =
+                        RopeBshdArgs::new(&x, (c.valid.len(), c.seq, c.hq), &freqs, &c.valid, c.k.is_multiple_of(4));
                     if oracle {
                         rope_bshd(&args, &mut out, &mut kv, RopeMath::MaxCompat)
                     } else {
@@ -237,16 +206,14 @@ fn execute(c: &Call, exec: Option<Exec>) -> (Result<()>, Vec<u32>, Vec<u32>, Vec
                     }
                 }
                 4 => {
-                    let args = RopeRaggedArgs {
-                        q_proj: &x,
-                        input_row_offsets: &offs,
-                        num_q_heads: c.hq,
-                        q_head_size: c.shape.head_size(),
-                        freqs_cis: &freqs_f32,
-                        rope_dim: c.rope_dim,
-                        position_ids: None,
-                        interleaved: c.k.is_multiple_of(4),
-                    };
+                    let args = RopeRaggedArgs::new(
+                        &x,
+                        &offs,
+                        (c.hq, c.shape.head_size()),
+                        &freqs_f32,
+                        c.rope_dim,
+                        c.k.is_multiple_of(4),
+                    );
                     if oracle {
                         rope_ragged(&args, &mut out, &mut kv, RopeMath::F32)
                     } else {
@@ -254,18 +221,12 @@ fn execute(c: &Call, exec: Option<Exec>) -> (Result<()>, Vec<u32>, Vec<u32>, Vec
                     }
                 }
                 5 => {
-                    let args = KvStoreRaggedArgs { values: &x, input_row_offsets: &offs, which: KvSel::K };
+                    let args = KvStoreRaggedArgs::new(&x, &offs, KvSel::K);
                     if oracle { kv_store_ragged(&args, &mut kv) } else { fast::kv_store_ragged(&args, &mut kv, e) }
                 }
                 _ => {
                     let which = if c.shape.is_mla() { KvSel::K } else { KvSel::V };
-                    let args = KvStoreBshdArgs {
-                        values: &x,
-                        batch: c.valid.len(),
-                        seq_len: c.seq,
-                        valid_lengths: &c.valid,
-                        which,
-                    };
+                    let args = KvStoreBshdArgs::new(&x, (c.valid.len(), c.seq), &c.valid, which);
                     if oracle { kv_store_bshd(&args, &mut kv) } else { fast::kv_store_bshd(&args, &mut kv, e) }
                 }
             }

@@ -50,15 +50,7 @@ fn golden_configuration_against_f64() {
             let mut cache: PagedKvCache<f32> = random_cache(&mut rng, shape);
             let before = cache.data().to_vec();
             let mut out = vec![f32::from_bits(0x7FC0_1234); q.len()]; // sentinel NaN
-            let args = RopeBshdArgs {
-                q_proj: &q,
-                batch,
-                seq_len: seq,
-                num_q_heads: h,
-                freqs_cis: &table,
-                valid_lengths: &valid,
-                interleaved,
-            };
+            let args = RopeBshdArgs::new(&q, (batch, seq, h), &table, &valid, interleaved);
             let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&pg.lookup, pg.cols, &cl).unwrap(), 1);
             rope_bshd(&args, &mut out, &mut kv, RopeMath::F32).unwrap();
             let mut written = Vec::new();
@@ -118,15 +110,7 @@ fn max_compat_equals_f32_for_f32_and_follows_bf16_rounding() {
     for math in [RopeMath::F32, RopeMath::MaxCompat] {
         let mut cache = cache0.clone();
         let mut out = vec![0f32; q.len()];
-        let args = RopeBshdArgs {
-            q_proj: &q,
-            batch,
-            seq_len: seq,
-            num_q_heads: h,
-            freqs_cis: &table32,
-            valid_lengths: &[4],
-            interleaved: false,
-        };
+        let args = RopeBshdArgs::new(&q, (batch, seq, h), &table32, &[4], false);
         let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&pg.lookup, pg.cols, &cl).unwrap(), 0);
         rope_bshd(&args, &mut out, &mut kv, math).unwrap();
         results.push((bits(&out), bits(cache.data())));
@@ -140,15 +124,7 @@ fn max_compat_equals_f32_for_f32_and_follows_bf16_rounding() {
     for math in [RopeMath::F32, RopeMath::MaxCompat] {
         let mut cache = cacheb.clone();
         let mut out = vec![bf16::ZERO; qb.len()];
-        let args = RopeBshdArgs {
-            q_proj: &qb,
-            batch,
-            seq_len: seq,
-            num_q_heads: h,
-            freqs_cis: &tb,
-            valid_lengths: &[4],
-            interleaved: true,
-        };
+        let args = RopeBshdArgs::new(&qb, (batch, seq, h), &tb, &[4], true);
         let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&pg.lookup, pg.cols, &cl).unwrap(), 0);
         rope_bshd(&args, &mut out, &mut kv, math).unwrap();
         for s in 0..seq {
@@ -201,15 +177,7 @@ fn calling_twice_rotates_twice() {
         let mut cache = cache0.clone();
         for _ in 0..times {
             let mut out = vec![0f32; q.len()];
-            let args = RopeBshdArgs {
-                q_proj: &q,
-                batch: 1,
-                seq_len: seq,
-                num_q_heads: h,
-                freqs_cis: table,
-                valid_lengths: &[2],
-                interleaved: true,
-            };
+            let args = RopeBshdArgs::new(&q, (1, seq, h), table, &[2], true);
             let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&pg.lookup, pg.cols, &cl).unwrap(), 0);
             rope_bshd(&args, &mut out, &mut kv, RopeMath::F32).unwrap();
         }
@@ -240,16 +208,8 @@ fn ragged_partial_rotary_and_position_ids() {
             let mut cache: PagedKvCache<bf16> = random_cache(&mut rng, shape);
             let before = cache.data().to_vec();
             let mut out = vec![bf16::from_f32(5.0); q.len()];
-            let args = RopeRaggedArgs {
-                q_proj: &q,
-                input_row_offsets: &offs,
-                num_q_heads: hq,
-                q_head_size: dq,
-                freqs_cis: &table,
-                rope_dim: rd,
-                position_ids: ids.as_deref(),
-                interleaved,
-            };
+            let args =
+                RopeRaggedArgs::new(&q, &offs, (hq, dq), &table, rd, interleaved).maybe_position_ids(ids.as_deref());
             let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&pg.lookup, pg.cols, &cl).unwrap(), 0);
             rope_ragged(&args, &mut out, &mut kv, RopeMath::F32).unwrap();
             let rows = [(0usize, 0usize), (0, 1), (1, 0)];
@@ -311,7 +271,7 @@ fn kv_store_ragged_and_padded() {
         let before = cache.data().to_vec();
         let offs = offsets(&lens);
         let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&pg.lookup, pg.cols, &cl).unwrap(), 1);
-        kv_store_ragged(&KvStoreRaggedArgs { values: &vals, input_row_offsets: &offs, which }, &mut kv).unwrap();
+        kv_store_ragged(&KvStoreRaggedArgs::new(&vals, &offs, which), &mut kv).unwrap();
         let mut written = Vec::new();
         let mut r = 0;
         for (b, &l) in lens.iter().enumerate() {
@@ -337,11 +297,7 @@ fn kv_store_ragged_and_padded() {
     let mut cache: PagedKvCache<f32> = random_cache(&mut rng, shape);
     let before = cache.data().to_vec();
     let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&pg.lookup, pg.cols, &cl).unwrap(), 0);
-    kv_store_bshd(
-        &KvStoreBshdArgs { values: &vals, batch: 3, seq_len: 4, valid_lengths: &valid, which: KvSel::V },
-        &mut kv,
-    )
-    .unwrap();
+    kv_store_bshd(&KvStoreBshdArgs::new(&vals, (3, 4), &valid, KvSel::V), &mut kv).unwrap();
     let mut written = Vec::new();
     for b in 0..3 {
         for t in 0..valid[b] as usize {

@@ -137,14 +137,7 @@ impl Packed {
         fn plain<T: Element>(w: &Arc<PackedPlainWeights<T>>, x: &[f32], offs: Vec<u32>, q_dim: usize) -> LayerCall {
             let (w, x): (_, Vec<T>) = (w.clone(), x.iter().map(|&v| T::from_f32(v)).collect());
             Box::new(move |out, kv, rope, exec| {
-                let args = QkvRaggedPackedArgs {
-                    hidden_state: &x,
-                    input_row_offsets: &offs,
-                    weight: &w,
-                    bias: None,
-                    q_dim,
-                    rope: Some(rope),
-                };
+                let args = QkvRaggedPackedArgs::new(&x, &offs, &w, q_dim).with_rope(rope);
                 fast::qkv_ragged_packed(&args, out, kv, exec).expect("valid call");
             })
         }
@@ -153,8 +146,7 @@ impl Packed {
                 let a = quantize(*format, &x, mm, k, nvfp4_global_scale(amax(&x))).expect("finite input");
                 let w = w.clone();
                 Box::new(move |out, kv, rope, exec| {
-                    let args =
-                        QkvFp4PackedArgs { rope: Some(rope), ..QkvFp4PackedArgs::new(a.as_ref(), &offs, &w, q_dim) };
+                    let args = QkvFp4PackedArgs::new(a.as_ref(), &offs, &w, q_dim).with_rope(rope);
                     fast::qkv_fp4_ragged_packed(&args, out, kv, exec).expect("valid call");
                 })
             }
@@ -453,14 +445,7 @@ impl BenchCache {
     /// Runs `f` on layer `layer` with the output, the cache and the model's RoPE (NeoX halves,
     /// f32 math) to fuse.
     fn call(&mut self, layer: usize, f: impl FnOnce(&mut [bf16], &mut KvWrite<'_, bf16>, QkvRope<'_>)) {
-        let rope = QkvRope {
-            freqs_cis: Freqs::F32(&self.freqs),
-            q_head_size: self.head,
-            rope_dim: self.head,
-            interleaved: false,
-            position_ids: None,
-            math: RopeMath::F32,
-        };
+        let rope = QkvRope::new(Freqs::F32(&self.freqs), self.head, self.head, false).with_math(RopeMath::F32);
         let table = PageTable::new(&self.lookup, self.cols, &self.lens).expect("valid table");
         let mut kv = KvWrite::new(self.cache.view_mut(), table, layer);
         f(&mut self.out, &mut kv, rope);

@@ -550,20 +550,12 @@ fn demo() -> Result<(), Bad> {
             offsets.push(offsets[offsets.len() - 1] + l as u32);
         }
         let mut q = vec![bf16::ZERO; mtot * q_dim];
-        let rope = QkvRope {
-            freqs_cis: Freqs::F32(&freqs),
-            q_head_size: m.head,
-            rope_dim: m.head,
-            interleaved: false,
-            position_ids: None,
-            math: RopeMath::F32,
-        };
+        let rope = QkvRope::new(Freqs::F32(&freqs), m.head, m.head, false).with_math(RopeMath::F32);
         let t = Instant::now();
         {
             let table = PageTable::new(&lookup, cols, cache_lengths)?;
             let mut kv = KvWrite::new(cache.view_mut(), table, 0);
-            let args =
-                QkvFp4PackedArgs { rope: Some(rope), ..QkvFp4PackedArgs::new(a.as_ref(), &offsets, &packed, q_dim) };
+            let args = QkvFp4PackedArgs::new(a.as_ref(), &offsets, &packed, q_dim).with_rope(rope);
             fast::qkv_fp4_ragged_packed(&args, &mut q, &mut kv, Exec::default())?;
         }
         let secs = t.elapsed().as_secs_f64();
@@ -584,14 +576,9 @@ fn demo() -> Result<(), Bad> {
         {
             let table = PageTable::new(&sub_lookup, cols, &sub_lens)?;
             let mut kv = KvWrite::new(scratch.view_mut(), table, 0);
-            let args = QkvFp4Args {
-                hidden_state: sub.as_ref(),
-                input_row_offsets: &sub_offsets,
-                weight: wq.as_ref(),
-                tensor_sf: a.tensor_scale() * packed.tensor_scale(),
-                q_dim,
-                rope: Some(rope),
-            };
+            let args = QkvFp4Args::new(sub.as_ref(), &sub_offsets, wq.as_ref(), q_dim)
+                .with_tensor_sf(a.tensor_scale() * packed.tensor_scale())
+                .with_rope(rope);
             reference::qkv_fp4_ragged(&args, &mut ref_q, &mut kv, Accumulation::Exact)?;
         }
         let ref_secs = tr.elapsed().as_secs_f64() / check.len() as f64;
