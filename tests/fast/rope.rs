@@ -363,11 +363,12 @@ fn rope_nan_payload_freqs_stay_nan() {
     }
 }
 
-/// Padded RoPE: every ISA bit for bit, padded rows of `output` untouched, valid lengths 0/1/full.
+/// Padded RoPE: every ISA bit for bit, padded rows of `output` untouched, valid lengths 0/1/full,
+/// freqs of q's dtype (MAX's) or another.
 #[test]
 fn rope_bshd_every_isa_bit_for_bit() {
     let mut rng = Rng::new(71);
-    for case in 0..8 {
+    for case in 0..10 {
         let (batch, seq, hq, hkv, d, page) = (3, 5, rng.range(1, 3), rng.range(1, 2), [8, 32, 128][case % 3], 4);
         let valid: Vec<u32> = (0..batch).map(|b| [0, 1, seq as u32][(b + case) % 3]).collect();
         let lens: Vec<u32> = (0..batch).map(|_| rng.range(0, 9) as u32).collect();
@@ -376,9 +377,9 @@ fn rope_bshd_every_isa_bit_for_bit() {
         let max_pos = lens.iter().zip(&valid).map(|(&l, &v)| (l + v) as usize).max().unwrap().max(1);
         let shape = CacheShape::mha(64, 1, page, hkv, d).unwrap();
         macro_rules! go {
-            ($t:ty) => {{
+            ($t:ty, $f:ty) => {{
                 let q: Vec<$t> = (0..batch * seq * hq * d).map(|_| <$t>::from_f32(rng.normal())).collect();
-                let f: Vec<$t> = freqs(max_pos, d);
+                let f: Vec<$f> = freqs(max_pos, d);
                 for (interleaved, math) in [(true, RopeMath::F32), (false, RopeMath::MaxCompat), (false, RopeMath::F32)]
                 {
                     let args = RopeBshdArgs::new(&q, (batch, seq, hq), &f, &valid, interleaved);
@@ -402,15 +403,18 @@ fn rope_bshd_every_isa_bit_for_bit() {
                         }
                     }
                     for e in execs() {
-                        assert_eq!(run(Some(e)), want, "{e:?}");
+                        assert_eq!(run(Some(e)), want, "{e:?} {} freqs {}", stringify!($t), stringify!($f));
                     }
                 }
             }};
         }
-        match case % 3 {
-            0 => go!(bf16),
-            1 => go!(f16),
-            _ => go!(f32),
+        // q's dtype, and (MAX's) the same for freqs, or another one.
+        match case % 5 {
+            0 => go!(bf16, bf16),
+            1 => go!(f16, f16),
+            2 => go!(f32, f32),
+            3 => go!(bf16, f32),
+            _ => go!(f32, bf16),
         }
     }
 }
