@@ -1,6 +1,6 @@
 //! Element types of activations, outputs and caches: f32, bf16, f16 and FP8 E4M3.
 
-use crate::formats::fp8::E4M3;
+use crate::dtype::E4M3;
 use half::{bf16, f16};
 
 /// Names of the element types, for messages and file formats.
@@ -44,7 +44,7 @@ mod sealed {
     impl Sealed for f32 {}
     impl Sealed for half::bf16 {}
     impl Sealed for half::f16 {}
-    impl Sealed for crate::formats::fp8::E4M3 {}
+    impl Sealed for crate::dtype::E4M3 {}
 }
 
 /// A scalar the operations read or write: `f32`, [`bf16`], [`f16`](struct@half::f16) or [`E4M3`]. Conversions round

@@ -1,6 +1,6 @@
 //! The crate's one error type. Every rejection names the argument, what was expected and what was found.
 
-use crate::formats::BlockFormat;
+use crate::dtype::BlockFormat;
 use std::fmt;
 
 /// A (batch, position) pair naming one token of a call: `position` is the cache position
@@ -251,4 +251,15 @@ pub(crate) fn checked_len(arg: &'static str, dims: &[usize]) -> Result<usize> {
     dims.iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
         .ok_or_else(|| Error::dim(arg, format!("the size {dims:?} overflows usize")))
+}
+
+/// N of a `[N, k]` weight, or the error the reference gives.
+pub(crate) fn weight_rows<T>(weight: &[T], k: usize) -> Result<usize> {
+    if k == 0 {
+        return Err(Error::dim("hidden_size", "must be at least 1"));
+    }
+    if !weight.len().is_multiple_of(k) {
+        return Err(Error::Shape { arg: "weight", expected: Expected::RowsOf(k), found: weight.len() });
+    }
+    Ok(weight.len() / k)
 }

@@ -19,8 +19,10 @@
 pub mod cache;
 #[cfg(feature = "case")]
 pub mod case;
+mod dtype;
 pub mod element;
 pub mod error;
+mod exact;
 pub mod fast;
 pub mod formats;
 mod kernels;

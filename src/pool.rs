@@ -7,7 +7,6 @@
 //! retains at most [`KEEP`] buffers per element type, each as large as that thread's largest call
 //! needed — the same memory the calls themselves used, never more.
 
-use std::cell::RefCell;
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 
@@ -20,12 +19,14 @@ pub(crate) trait Poolable: Sized + 'static {
     fn with_free<R>(f: impl FnOnce(&mut Vec<Vec<Self>>) -> R) -> Option<R>;
 }
 
+/// Gives each listed type a per-thread free list. Invoked beside each pooled type (here for
+/// the primitive ones, in `cache::plan` for its slots), so that this module depends on nothing.
 macro_rules! poolable {
     ($($t:ty),* $(,)?) => {$(
-        impl Poolable for $t {
+        impl $crate::pool::Poolable for $t {
             fn with_free<R>(f: impl FnOnce(&mut Vec<Vec<Self>>) -> R) -> Option<R> {
                 thread_local! {
-                    static FREE: RefCell<Vec<Vec<$t>>> = const { RefCell::new(Vec::new()) };
+                    static FREE: std::cell::RefCell<Vec<Vec<$t>>> = const { std::cell::RefCell::new(Vec::new()) };
                 }
                 FREE.try_with(|free| f(&mut free.borrow_mut())).ok()
             }
@@ -33,8 +34,9 @@ macro_rules! poolable {
     )*};
 }
 
+pub(crate) use poolable;
+
 poolable!(u8, i8, i32, u32, f32, bool, usize, Option<usize>, (usize, usize), (usize, usize, bool));
-poolable!(Option<crate::cache::plan::RowSlot>, (usize, crate::cache::plan::RowSlot));
 
 /// A `Vec<T>` borrowed from the thread's free list (see the module docs).
 pub(crate) struct Pooled<T: Poolable>(Vec<T>);

@@ -4,7 +4,7 @@
 
 use super::{CacheShape, PageTable};
 use crate::error::{Error, Result, TokenRef};
-use crate::pool::Pooled;
+use crate::pool::{Pooled, poolable};
 
 /// Where one row's K/V go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,6 +18,8 @@ pub(crate) struct RowSlot {
     /// Slot in the block (`pos % page_size`).
     pub offset: usize,
 }
+
+poolable!(Option<RowSlot>, (usize, RowSlot));
 
 /// The validated slot of every row of a call (`None`: the row writes no K/V).
 #[derive(Debug, Clone)]

@@ -48,9 +48,9 @@
 
 use crate::cache::{KvSel, KvWrite, SlotPlan};
 use crate::element::Element;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, weight_rows};
 use crate::formats::QuantizedRef;
-use crate::kernels::epilogue::{Dest, EpiRope, MatrixDest, QkvDest};
+use crate::kernels::epilogue::{Dest, EpiRope, EpiSpec, MatrixDest, QkvDest};
 use crate::kernels::operands::{Fp4Operands, PlainOperands};
 use crate::kernels::pack::{Fp4Acts, PlainActs};
 use crate::kernels::rope::{Bases, Planned, RopeSpec, RowSlots, Seqs, rope_rows, slot_bases, store_rows};
@@ -61,10 +61,11 @@ use crate::ops::{
     KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, QkvRope, RopeBshdArgs, RopeMath,
     RopeRaggedArgs, check_tensor, kv_store_bshd_slots, kv_store_ragged_slots, rope_bshd_slots, rope_ragged_slots,
     validate_fp4, validate_kv_store_bshd, validate_kv_store_ragged, validate_qkv_bshd, validate_qkv_ragged,
-    validate_rope_bshd, validate_rope_ragged, weight_rows, with_freqs,
+    validate_rope_bshd, validate_rope_ragged, with_freqs,
 };
 pub use crate::simd::Isa;
 use crate::simd::IsaToken;
+use crate::simd::rope::Round;
 pub use crate::workers::Workers;
 
 /// Where the work runs.
@@ -348,6 +349,14 @@ pub fn qkv_fp4_ragged_packed<O: Element, C: Element>(
 /// A validated call's slot plan and RoPE positions.
 type Plan = (SlotPlan, crate::ops::Positions);
 
+/// The kernels' rounding of a RoPE in `math` with freqs of `F` ([`RopeMath`] translated).
+fn rounding<F: Element>(math: RopeMath, _freqs: &[F]) -> Round {
+    match math {
+        RopeMath::F32 => Round::None,
+        RopeMath::MaxCompat => Round::of::<F>(),
+    }
+}
+
 /// The routed destination of a validated fused QKV (with its RoPE, if any).
 fn qkv_dest<'a, O: Element, C: Element>(
     output: &'a mut [O],
@@ -358,7 +367,10 @@ fn qkv_dest<'a, O: Element, C: Element>(
     token: IsaToken,
 ) -> QkvDest<'a, O, C> {
     let shape = kv.cache.shape();
-    let rope = rope.map(|r| EpiRope::new(r, positions, token));
+    let rope = rope.map(|r| {
+        let spec = |round| EpiSpec { rope_dim: r.rope_dim, q_head: r.q_head_size, interleaved: r.interleaved, round };
+        with_freqs!(r.freqs_cis, f => EpiRope::new(f, spec(rounding(r.math, f)), positions, token))
+    });
     QkvDest::new(output, kv.cache.data_mut(), shape, kv.layer_idx, plan, q_dim, n, rope, token)
 }
 
@@ -709,7 +721,7 @@ pub fn rope_bshd<T: Element, C: Element>(
             freqs,
             rope_dim: d,
             interleaved: args.interleaved,
-            math,
+            round: rounding(math, freqs),
             q_heads: (args.num_q_heads, d),
             k_heads: (shape.num_kv_heads(), d),
         };
@@ -764,7 +776,7 @@ pub fn rope_ragged<T: Element, C: Element>(
             freqs,
             rope_dim: args.rope_dim,
             interleaved: args.interleaved,
-            math,
+            round: rounding(math, freqs),
             q_heads: (args.num_q_heads, args.q_head_size),
             k_heads: (shape.num_kv_heads(), shape.head_size()),
         };

@@ -7,28 +7,7 @@
 pub const E2M1_VALUES: [f32; 16] =
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
 
-/// Each E2M1 code times two: small integers, so FP4 dot products are exact integer math.
-pub const E2M1_DOUBLED: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
-
-/// `E2M1_DOUBLED[code & 15]` by byte arithmetic, which the compiler vectorises (a table lookup
-/// it does not). The fast paths' activation decode uses it: that decode is ~5 % of a Qwen-sized
-/// decode call (Intel Xeon, `perf`), and this took its share from 5.2 to 4.8 % of the samples.
-#[inline(always)]
-pub(crate) fn e2m1_doubled(code: u8) -> i8 {
-    let m = code & 7;
-    // Magnitudes 0, 1, 2, 3, 4, 6, 8, 12 (doubled E2M1) for m = 0 … 7.
-    let mag = (if m < 4 {
-        m
-    } else if m < 6 {
-        2 * m - 4
-    } else {
-        4 * m - 16
-    }) as i8;
-    if code & 8 != 0 { -mag } else { mag }
-}
-
-/// Largest E2M1 magnitude.
-pub const E2M1_MAX: f32 = 6.0;
+pub use crate::dtype::{E2M1_DOUBLED, E2M1_MAX};
 
 /// Decodes the low 4 bits of `code`.
 #[inline]
@@ -85,7 +64,7 @@ mod tests {
     #[test]
     fn e2m1_doubled_equals_the_table() {
         for code in 0..=255u8 {
-            assert_eq!(super::e2m1_doubled(code), super::E2M1_DOUBLED[(code & 15) as usize], "code {code}");
+            assert_eq!(crate::dtype::e2m1_doubled(code), super::E2M1_DOUBLED[(code & 15) as usize], "code {code}");
         }
     }
 }

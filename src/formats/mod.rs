@@ -9,54 +9,10 @@ pub mod scale_layout;
 use crate::error::{Error, Result, checked_len};
 use scale_layout::ScaleLayout;
 
-/// A block-scaled matrix format ([semantics §1](crate::semantics)).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum BlockFormat {
-    /// E2M1 data, two per byte, one E4M3 scale (decoded as `|value|`) per 16 elements.
-    Nvfp4,
-    /// E2M1 data, two per byte, one E8M0 scale per 32 elements (MAX rejects it at run time;
-    /// gpt-oss-class models need it).
-    Mxfp4,
-    /// E4M3 data, one byte each, one E8M0 scale per 32 elements.
-    Mxfp8,
-}
+pub use crate::dtype::BlockFormat;
 
+/// Decoding, which belongs to the formats (the type itself lives in the leaf `dtype` module).
 impl BlockFormat {
-    /// All formats.
-    pub const ALL: [BlockFormat; 3] = [BlockFormat::Nvfp4, BlockFormat::Mxfp4, BlockFormat::Mxfp8];
-
-    /// Elements per scale (`SF_VECTOR_SIZE`): 16 for NVFP4, 32 for the MX formats.
-    pub fn vector_size(self) -> usize {
-        match self {
-            BlockFormat::Nvfp4 => 16,
-            BlockFormat::Mxfp4 | BlockFormat::Mxfp8 => 32,
-        }
-    }
-
-    /// Whether data is packed E2M1 (two elements per byte).
-    pub fn is_fp4(self) -> bool {
-        !matches!(self, BlockFormat::Mxfp8)
-    }
-
-    /// Lower-case name: `nvfp4`, `mxfp4`, `mxfp8`.
-    pub fn name(self) -> &'static str {
-        match self {
-            BlockFormat::Nvfp4 => "nvfp4",
-            BlockFormat::Mxfp4 => "mxfp4",
-            BlockFormat::Mxfp8 => "mxfp8",
-        }
-    }
-
-    /// Parses [`name`](Self::name).
-    pub fn from_name(s: &str) -> Option<Self> {
-        BlockFormat::ALL.into_iter().find(|f| f.name() == s)
-    }
-
-    /// Bytes of data per row of logical length `k` (`k/2` for FP4, `k` for MXFP8).
-    pub fn row_bytes(self, k: usize) -> usize {
-        if self.is_fp4() { k / 2 } else { k }
-    }
-
     /// Decodes a scale byte to f32: `|E4M3|` for NVFP4, E8M0 for the MX formats (NaN for NaN codes).
     #[inline]
     pub fn scale_to_f32(self, byte: u8) -> f32 {

@@ -10,12 +10,12 @@
 
 #![allow(unsafe_code)] // writes through `SharedMut` under `Dest::finish`'s contract
 
+use super::MAX_FUSED_HEAD;
 use super::operands::Operands;
 use super::scatter::SharedMut;
 use crate::cache::{CacheShape, SlotPlan};
 use crate::element::Element;
 use crate::formats::fp8::E4M3;
-use crate::ops::{Freqs, MAX_FUSED_HEAD, QkvRope, RopeMath};
 use crate::pool::Pooled;
 use crate::simd::rope::{RopeRow, Round, narrow, rotate_heads_from};
 use crate::simd::{GROUP, IsaToken};
@@ -124,6 +124,16 @@ impl<O: Element> Dest for MatrixDest<'_, O> {
     }
 }
 
+/// The epilogue's RoPE, as `fast` translates it from the public `QkvRope`.
+#[derive(Clone, Copy)]
+pub(crate) struct EpiSpec {
+    pub rope_dim: usize,
+    /// Q head size (K's is the cache's).
+    pub q_head: usize,
+    pub interleaved: bool,
+    pub round: Round,
+}
+
 /// RoPE in the epilogue: per rotated row, its freqs row in the kernels' forms.
 pub(crate) struct EpiRope {
     token: IsaToken,
@@ -137,14 +147,10 @@ pub(crate) struct EpiRope {
 }
 
 impl EpiRope {
-    /// Tabulates the freqs rows of the rotated rows (`positions`, from validation).
-    pub fn new(rope: &QkvRope<'_>, positions: &[Option<usize>], token: IsaToken) -> Self {
-        let rd = rope.rope_dim;
-        let round = match (rope.math, rope.freqs_cis) {
-            (RopeMath::F32, _) | (_, Freqs::F32(_)) => Round::None,
-            (RopeMath::MaxCompat, Freqs::Bf16(_)) => Round::Bf16,
-            (RopeMath::MaxCompat, Freqs::F16(_)) => Round::F16,
-        };
+    /// Tabulates the freqs rows of the rotated rows (`positions`, from validation) of a RoPE over
+    /// `spec.rope_dim` dims of `freqs` rows.
+    pub fn new<F: Element>(freqs: &[F], spec: EpiSpec, positions: &[Option<usize>], token: IsaToken) -> Self {
+        let rd = spec.rope_dim;
         let mut table: Pooled<f32> = Pooled::new();
         let at = positions
             .iter()
@@ -152,17 +158,20 @@ impl EpiRope {
                 p.map(|p| {
                     let o = table.len();
                     table.resize(o + RopeRow::len(rd), 0.0);
-                    let dst = &mut table[o..];
-                    match rope.freqs_cis {
-                        Freqs::F32(f) => RopeRow::fill_with(token, &f[p * rd..(p + 1) * rd], dst, rope.interleaved),
-                        Freqs::Bf16(f) => RopeRow::fill_with(token, &f[p * rd..(p + 1) * rd], dst, rope.interleaved),
-                        Freqs::F16(f) => RopeRow::fill_with(token, &f[p * rd..(p + 1) * rd], dst, rope.interleaved),
-                    }
+                    RopeRow::fill_with(token, &freqs[p * rd..(p + 1) * rd], &mut table[o..], spec.interleaved);
                     o
                 })
             })
             .collect();
-        EpiRope { token, at, table, rope_dim: rd, q_head: rope.q_head_size, interleaved: rope.interleaved, round }
+        EpiRope {
+            token,
+            at,
+            table,
+            rope_dim: rd,
+            q_head: spec.q_head,
+            interleaved: spec.interleaved,
+            round: spec.round,
+        }
     }
 
     /// One head (its values rounded to their destination type) from `head` into `dst`, its

@@ -17,7 +17,9 @@
 //!   (which write through it under their SAFETY arguments), and `crate::workers` (the job
 //!   hand-off), the only unsafe code outside `crate::simd`.
 //!
-//! No `[M, N]` intermediate exists.
+//! No `[M, N]` intermediate exists. The kernels take their own descriptions of a call (`RopeSpec`,
+//! `EpiSpec`: rounding modes, not the public `RopeMath`); `crate::fast` translates the public
+//! argument types into them.
 
 pub(crate) mod epilogue;
 pub(crate) mod operands;
@@ -28,3 +30,7 @@ pub(crate) mod schedule;
 pub(crate) mod team;
 
 pub use pack::{PackedPlainWeights, PackedWeights};
+
+/// Largest head (in dims) the fused-RoPE epilogue rotates (its per-thread scratch size; the
+/// validation of every path rejects larger heads).
+pub(crate) const MAX_FUSED_HEAD: usize = 1024;

@@ -17,10 +17,10 @@
 
 use super::pack::{Fp4Acts, PackedPlainWeights, PackedWeights, PlainActs};
 use crate::element::{DType, Element, bf16_through, biased, biased_exact};
+use crate::exact::{ExactSum, f32_parts};
 use crate::formats::BlockFormat;
 use crate::formats::fp4::E2M1_DOUBLED;
 use crate::formats::fp8::e4m3_to_units;
-use crate::reference::exact::{ExactSum, f32_parts};
 use crate::simd::fp4::E8M0_ACT_BIAS;
 use crate::simd::fp4::Fp4Rows;
 use crate::simd::fp8::E8M0_FP8_ACT_BIAS;

@@ -19,11 +19,11 @@
 use super::team::Team;
 use crate::element::Element;
 use crate::error::Result;
+use crate::error::weight_rows;
 use crate::formats::fp4::fp4_code;
 use crate::formats::fp8::e4m3_scale_to_f32;
 use crate::formats::scale_layout::ScaleLayout;
 use crate::formats::{BlockFormat, QuantizedMatrix, QuantizedRef};
-use crate::ops::weight_rows;
 use crate::pool::{Poolable, Pooled};
 use crate::simd::fp4::{ActRow, Fp4Group, Fp4Rows, ScaleKind};
 use crate::simd::fp8::{Fp8Group, Fp8Rows};
@@ -593,7 +593,7 @@ impl PlainActs {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::formats::fp4::e2m1_doubled;
+    use crate::formats::fp4::E2M1_DOUBLED;
     use crate::formats::fp8::e4m3_to_f32;
     use crate::simd::Isa;
     use crate::simd::fp4::{E5M3_ACT_EXP, E8M0_ACT_BIAS, e4m3_f32_bits, nvfp4_act_scale_bits};
@@ -630,7 +630,7 @@ mod tests {
         for r in 0..m {
             for i in 0..k {
                 if format.is_fp4() {
-                    e.a8[r * kp + i] = e2m1_doubled(fp4_code(a.row(r), i));
+                    e.a8[r * kp + i] = E2M1_DOUBLED[fp4_code(a.row(r), i) as usize & 15];
                 } else {
                     e.af[r * kp + i] = e4m3_to_f32(a.row(r)[i]);
                 }

@@ -14,7 +14,6 @@ use super::scatter::SharedMut;
 use super::team::Team;
 use crate::cache::{CacheShape, SeqCursor, SeqSlots, SlotPlan};
 use crate::element::Element;
-use crate::ops::RopeMath;
 use crate::pool::Pooled;
 use crate::simd::IsaToken;
 use crate::simd::rope::{HalfRows, RopeRow, Round, TokenFn, convert, rotate_heads, rotate_heads_from};
@@ -31,7 +30,8 @@ pub(crate) struct RopeSpec<'a, F> {
     pub freqs: &'a [F],
     pub rope_dim: usize,
     pub interleaved: bool,
-    pub math: RopeMath,
+    /// How each step rounds (from the public `RopeMath` and the freqs' type: `fast` translates).
+    pub round: Round,
     /// Q heads and their size; K heads (the cache's) and their size.
     pub q_heads: (usize, usize),
     pub k_heads: (usize, usize),
@@ -39,10 +39,7 @@ pub(crate) struct RopeSpec<'a, F> {
 
 impl<F: Element> RopeSpec<'_, F> {
     pub fn round(&self) -> Round {
-        match self.math {
-            RopeMath::F32 => Round::None,
-            RopeMath::MaxCompat => Round::of::<F>(),
-        }
+        self.round
     }
 
     /// One token: Q heads from `q` into `out`, K heads of its slot `k` in place.

@@ -8,6 +8,7 @@ use crate::cache::{CacheShape, KvSel, KvWrite, PageTable, SeqSlots, SlotPlan};
 use crate::element::Element;
 use crate::error::{Error, Expected, Result, checked_len};
 use crate::formats::{BlockFormat, QuantizedRef};
+use crate::kernels::MAX_FUSED_HEAD;
 use crate::pool::Pooled;
 
 /// How the reference accumulates a dot product.
@@ -709,9 +710,6 @@ pub(crate) fn validate_qkv_rope(
     }
 }
 
-/// Largest head (in dims) the fused-RoPE epilogue rotates.
-pub(crate) const MAX_FUSED_HEAD: usize = 1024;
-
 /// Validates a KV store's arguments (`rows` of the call, the stored values' length) and returns
 /// its slot plan. `rows` lists the call's rows: it runs only after `values` is known to hold
 /// them (every cache dimension is ≥ 1), so its memory is bounded by the input (a 2.7 KB case
@@ -860,17 +858,6 @@ pub(crate) fn check_split(n: usize, q_dim: usize, shape: &CacheShape) -> Result<
         let kv_width = if shape.is_mla() { shape.head_size() } else { kv_width };
         Err(Error::ColumnSplit { n, q_dim, kv_width, mla: shape.is_mla() })
     }
-}
-
-/// N of a `[N, k]` weight, or the error the reference gives.
-pub(crate) fn weight_rows<T>(weight: &[T], k: usize) -> Result<usize> {
-    if k == 0 {
-        return Err(Error::dim("hidden_size", "must be at least 1"));
-    }
-    if !weight.len().is_multiple_of(k) {
-        return Err(Error::Shape { arg: "weight", expected: Expected::RowsOf(k), found: weight.len() });
-    }
-    Ok(weight.len() / k)
 }
 
 /// Checks `len == product(dims)` for an activation or output tensor.

@@ -7,19 +7,17 @@
 //! the cache dtype (FP8 saturates), as [semantics §9](crate::semantics) says — except that a bias
 //! is added as MAX adds it, after the product's rounding (§4).
 
-pub(crate) mod exact;
-
 use crate::cache::{KvSel, KvWrite, PagedKvCacheMut, SlotPlan};
 use crate::element::{DType, Element, biased_exact};
-use crate::error::Result;
+use crate::error::{Result, weight_rows};
+use crate::exact::{ExactSum, f32_parts};
 use crate::formats::fp8::{e4m3_to_units, e8m0_to_f32};
 use crate::formats::{BlockFormat, QuantizedRef, fp4};
 use crate::ops::{
     Accumulation, Freqs, KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, QkvRope,
     RopeBshdArgs, RopeMath, RopeRaggedArgs, validate_fp4, validate_kv_store_bshd, validate_kv_store_ragged,
-    validate_qkv_bshd, validate_qkv_ragged, validate_rope_bshd, validate_rope_ragged, weight_rows, with_freqs,
+    validate_qkv_bshd, validate_qkv_ragged, validate_rope_bshd, validate_rope_ragged, with_freqs,
 };
-use exact::{ExactSum, f32_parts};
 
 /// Fused QKV projection of a ragged batch of block-scaled (NVFP4, MXFP4, MXFP8) activations with a
 /// block-scaled weight, Q to `output` (`[M, q_dim]`) and K/V into the paged cache at

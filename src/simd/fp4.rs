@@ -2,8 +2,7 @@
 //! memory) and the portable kernel, which defines the arithmetic every ISA reproduces bit for bit.
 
 use super::{GROUP, MR};
-use crate::formats::BlockFormat;
-use crate::formats::fp4::{E2M1_DOUBLED, e2m1_doubled};
+use crate::dtype::{BlockFormat, E2M1_DOUBLED, e2m1_doubled};
 
 /// How the block scales of a packed FP4 group are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -20,7 +20,7 @@
 //! speed).
 
 use super::{GROUP, MR};
-use crate::formats::fp8::e4m3_to_f32;
+use crate::dtype::e4m3_to_f32;
 
 /// The exponent offset of MXFP8 activation scales: `e − 127` for the scale, `+ 8` for the `2⁸`
 /// the weights' decode leaves out (see the module docs).

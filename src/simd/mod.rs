@@ -52,6 +52,7 @@ pub(crate) mod fp8;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 pub(crate) mod plain;
+pub(crate) mod quant;
 pub(crate) mod rope;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -254,12 +255,12 @@ impl IsaToken {
     }
 }
 
-/// Quantizes one row (`crate::formats::quantize`'s body) compiled for `token`'s ISA: the body's
+/// Quantizes one row ([`quant::quantize_row_body`]) compiled for `token`'s ISA: the body's
 /// loops vectorise at its width (AVX2, AVX-512; NEON is aarch64's baseline, so the plain build
 /// already uses it). The same bytes on every ISA (tested).
 pub(crate) fn quantize_row(
     token: IsaToken,
-    format: crate::formats::BlockFormat,
+    format: crate::dtype::BlockFormat,
     row: &[f32],
     g: f32,
     data: &mut [u8],
@@ -276,14 +277,14 @@ pub(crate) fn quantize_row(
         _ => {}
     }
     let _ = token;
-    crate::formats::quantize::quantize_row_body(format, row, g, data, scales)
+    quant::quantize_row_body(format, row, g, data, scales)
 }
 
 /// Prepares one block-scaled activation row ([`fp4::prepare_row_body`]) compiled for `token`'s
 /// ISA, as [`quantize_row`]: the same values on every ISA (tested).
 pub(crate) fn prepare_row(
     token: IsaToken,
-    format: crate::formats::BlockFormat,
+    format: crate::dtype::BlockFormat,
     data: &[u8],
     k: usize,
     out: fp4::ActRow<'_>,

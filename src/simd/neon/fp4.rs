@@ -8,7 +8,7 @@
 //! `sdot` and `smmla` are emitted with `asm!`: their intrinsics (`vdotq_s32`, `vmmlaq_s32`) are
 //! not stable in the crate's MSRV (1.89).
 
-use crate::formats::fp4::E2M1_DOUBLED;
+use crate::dtype::E2M1_DOUBLED;
 use crate::simd::fp4::{Fp4Group, Fp4Rows, ScaleKind};
 use crate::simd::{GROUP, MR};
 use std::arch::aarch64::*;

@@ -1,10 +1,10 @@
-//! The activation quantizer's row body (`crate::formats::quantize`) and the block-scaled
+//! The activation quantizer's row body (`crate::simd::quant`) and the block-scaled
 //! activations' row preparation (`crate::simd::fp4::prepare_row_body`) compiled for AVX2 and
 //! AVX-512: the same source, vectorised at each width by the compiler.
 
-use crate::formats::BlockFormat;
-use crate::formats::quantize::quantize_row_body;
+use crate::dtype::BlockFormat;
 use crate::simd::fp4::{ActRow, prepare_row_body};
+use crate::simd::quant::quantize_row_body;
 
 /// [`quantize_row_body`] with AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
