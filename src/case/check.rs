@@ -1,0 +1,382 @@
+//! Checking a kernel's results against a case: which elements the op writes, the comparison,
+//! the report.
+
+use super::*;
+
+impl Case {
+    /// Which elements of `output` and of `kv_blocks` the op writes and [`check`] compares, under
+    /// the default policy ([`CheckOptions::default`]: the padded operations' Q rows past
+    /// `valid_lengths[b]` are not compared). Meaningful for a case that [`run`](Self::run)s; on
+    /// an inconsistent one it returns an error or a partial mask, never panics.
+    pub fn written(&self) -> Result<(Vec<bool>, Vec<bool>)> {
+        self.written_with(CheckOptions::default())
+    }
+
+    /// [`written`](Self::written) under `opts`.
+    pub fn written_with(&self, opts: CheckOptions) -> Result<(Vec<bool>, Vec<bool>)> {
+        let (shape, _) = self.cache_shape()?;
+        let (lookup, cols, lens) = self.page_table_parts()?;
+        let table = PageTable::new(&lookup, cols, &lens)?;
+        let layer = self.layer()?;
+        let out_len = if self.op.has_output() { self.tensor("output")?.shape.iter().product() } else { 0 };
+        // The padded ops' Q rows past `valid_lengths[b]` are MAX's undefined rows (its padded RoPE
+        // leaves them unwritten): compared only when asked (semantics §9).
+        let padded = matches!(self.op, Op::QkvBshd | Op::RopeBshd);
+        let mut out_mask = vec![!padded || opts.compare_padded_q; out_len];
+        let mut cache_mask = vec![false; shape.len()];
+        // Rows (b, t, writes) in the op's row order. Every count comes from a tensor whose other
+        // dimensions are non-zero, so it is bounded by the bytes of the file.
+        let nonzero = |name: &str, sh: &[usize], from: usize| -> Result<()> {
+            if sh.len() <= from || sh[from..].contains(&0) {
+                return err(format!(
+                    "`{name}`: expected non-zero dimensions after the first {from}, found {}",
+                    dims(sh)
+                ));
+            }
+            Ok(())
+        };
+        let rows: Vec<(usize, usize, bool)> = match self.op {
+            Op::QkvBshd | Op::RopeBshd | Op::KvStoreBshd => {
+                let x = if self.op == Op::RopeBshd { "q_proj" } else { "hidden_state" };
+                let sh = &self.tensor(x)?.shape;
+                nonzero(x, sh, 2)?;
+                let valid = self.u32s("valid_lengths", Some(&sh[..1]))?;
+                let s = sh[1];
+                valid.iter().enumerate().flat_map(|(b, &v)| (0..s).map(move |t| (b, t, t < v as usize))).collect()
+            }
+            _ => {
+                let x = if self.op == Op::RopeRagged { "q_proj" } else { "hidden_state" };
+                let sh = &self.tensor(x)?.shape;
+                nonzero(x, sh, 1)?;
+                let offsets = self.u32s("input_row_offsets", None)?;
+                ops::ragged_rows(&offsets, sh[0])?.iter().map(|&(b, t)| (b, t, true)).collect()
+            }
+        };
+        if matches!(self.op, Op::QkvFp4Ragged | Op::QkvRagged | Op::QkvBshd) {
+            nonzero("weight", &self.tensor("weight")?.shape, 1)?;
+        }
+        let plan = SlotPlan::build(&table, &shape, layer, &rows)?;
+        let hd = shape.head_size();
+        let row_len = if out_len > 0 { out_len / rows.len().max(1) } else { 0 };
+        for (r, slot) in plan.rows.iter().enumerate() {
+            if padded
+                && slot.is_some()
+                && let Some(m) = out_mask.get_mut(r * row_len..(r + 1) * row_len)
+            {
+                m.iter_mut().for_each(|x| *x = true);
+            }
+            let Some(slot) = slot else { continue };
+            // Out-of-range coordinates (an inconsistent file not yet run) are skipped, not indexed.
+            let mut mark = |kv: usize, h: usize, d: usize| {
+                if kv < shape.kv_dim() && h < shape.num_kv_heads() && d < hd {
+                    cache_mask[shape.index(slot.block, kv, layer, slot.offset, h, d)] = true;
+                }
+            };
+            match self.op {
+                Op::QkvFp4Ragged | Op::QkvRagged | Op::QkvBshd => {
+                    let n = self.weight_rows()?;
+                    let q_dim = self.tensor("output")?.shape.last().copied().unwrap_or(0);
+                    for j in 0..n.saturating_sub(q_dim) {
+                        let (kv, h, d) = shape.kv_column(j);
+                        mark(kv as usize, h, d)
+                    }
+                }
+                Op::RopeBshd | Op::RopeRagged => {
+                    let rd = if self.op == Op::RopeRagged {
+                        self.tensor("freqs_cis")?.shape.get(1).copied().unwrap_or(0)
+                    } else {
+                        hd
+                    };
+                    let interleaved = self.interleaved()?;
+                    for h in 0..shape.num_kv_heads() {
+                        for d in 0..rd.min(hd) {
+                            mark(0, h, if interleaved { (hd + d).saturating_sub(rd) } else { d });
+                        }
+                    }
+                }
+                Op::KvStoreRagged | Op::KvStoreBshd => {
+                    let kv = if self.meta.get("cache").map(|s| s.as_str()) == Some("v") { 1 } else { 0 };
+                    for h in 0..shape.num_kv_heads() {
+                        for d in 0..hd {
+                            mark(kv, h, d);
+                        }
+                    }
+                }
+            }
+        }
+        Ok((out_mask, cache_mask))
+    }
+
+    /// Names an element of `output` for reports: `(token t, head h, dim d)` or `((b, s), head, dim)`
+    /// (`#i` when the case's shapes cannot name it).
+    pub fn name_output(&self, i: usize) -> String {
+        let fallback = || format!("#{i}");
+        let Ok(t) = self.tensor("output") else { return fallback() };
+        let hd = self.cache_shape().map(|(s, _)| s.head_size()).unwrap_or(1);
+        let div = |a: usize, b: usize| a.checked_div(b);
+        let named = match (self.op, t.shape.as_slice()) {
+            (Op::RopeBshd, &[_, s, h, d]) => h.checked_mul(d).and_then(|hd2| {
+                let (bs, rest) = (div(i, hd2)?, i % hd2);
+                Some(format!("((b {}, s {}), head {}, dim {})", div(bs, s)?, bs % s, div(rest, d)?, rest % d))
+            }),
+            (Op::RopeRagged, &[_, h, d]) => h
+                .checked_mul(d)
+                .and_then(|hd2| Some(format!("(token {}, head {}, dim {})", div(i, hd2)?, div(i, d)? % h, i % d))),
+            (Op::QkvBshd, &[_, s, q]) => (|| {
+                let (bs, c) = (div(i, q)?, i % q);
+                Some(format!("((b {}, s {}), head {}, dim {})", div(bs, s)?, bs % s, c / hd, c % hd))
+            })(),
+            (_, &[_, q]) => div(i, q).map(|t| format!("(token {t}, head {}, dim {})", (i % q) / hd, (i % q) % hd)),
+            _ => None,
+        };
+        named.unwrap_or_else(fallback)
+    }
+
+    /// Names an element of `kv_blocks`: `(layer, K/V, block, slot, head, dim)`.
+    pub fn name_cache(&self, i: usize) -> String {
+        match self.cache_shape() {
+            Ok((s, _)) => {
+                let [b, kv, l, sl, h, d] = s.coords(i);
+                format!("(layer {l}, {}, block {b}, slot {sl}, head {h}, dim {d})", if kv == 0 { "K" } else { "V" })
+            }
+            Err(_) => format!("#{i}"),
+        }
+    }
+}
+
+/// The verdict of a kernel's results against the reference: what `paged-qkv check` prints.
+#[derive(Debug, Clone)]
+pub struct Report {
+    /// Every compared element within tolerance and no corruption.
+    pub passed: bool,
+    /// The report: per tensor the elements compared, the largest errors and where, the ULP
+    /// histogram, the worst positions named, corruption; then the verdict.
+    pub text: String,
+    /// The numbers behind it, per tensor (`output`, `kv_blocks`).
+    pub tensors: Vec<(String, TensorReport)>,
+}
+
+/// What [`check_with`] compares beyond the elements every check compares.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CheckOptions {
+    /// Compare the padded operations' Q rows past `valid_lengths[b]` (`qkv_bshd`, `rope_bshd`),
+    /// which MAX leaves undefined; by default they are not compared.
+    pub compare_padded_q: bool,
+}
+
+impl CheckOptions {
+    /// The default policy.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// With [`compare_padded_q`](Self::compare_padded_q) set.
+    pub fn with_compare_padded_q(self, compare_padded_q: bool) -> Self {
+        CheckOptions { compare_padded_q }
+    }
+}
+
+/// Checks a kernel's `actual` results (`output` unless the op has none, and `kv_blocks`) against
+/// the reference run of `case` in `mode`, under the default [`CheckOptions`]. Errors: a malformed
+/// case, a missing or mismatched tensor.
+pub fn check(case: &Case, actual: &BTreeMap<String, Tensor>, tol: Tolerance, mode: Mode) -> Result<Report> {
+    check_with(case, actual, tol, mode, CheckOptions::default())
+}
+
+/// [`check`] under `opts`.
+pub fn check_with(
+    case: &Case,
+    actual: &BTreeMap<String, Tensor>,
+    tol: Tolerance,
+    mode: Mode,
+    opts: CheckOptions,
+) -> Result<Report> {
+    use std::fmt::Write as _;
+    let (ref_out, ref_kv) = case.run(mode, Exec::default())?;
+    let (out_mask, kv_mask) = case.written_with(opts)?;
+    let mut text = String::new();
+    let mut passed = true;
+    let mut tensors = Vec::new();
+    let _ = writeln!(
+        text,
+        "paged-qkv check: op {}, reference mode {:?}, tolerance atol {} rtol {} ulps {}",
+        case.op.name(),
+        mode,
+        tol.atol,
+        tol.rtol,
+        tol.ulps
+    );
+    if matches!(case.op, Op::QkvBshd | Op::RopeBshd) {
+        let how = if opts.compare_padded_q { "compared" } else { "not compared" };
+        let _ = writeln!(text, "padded Q rows (t >= valid_lengths[b]): {how}");
+    }
+    let missing = |name: &str| CaseError(format!("`{name}`: missing tensor in the actual results"));
+    // (name, actual, reference, the mask of what the op writes, the input tensor for the rest)
+    type Pair<'a> = (&'static str, &'a Tensor, Tensor, &'a [bool], Option<&'a Tensor>);
+    let mut pairs: Vec<Pair<'_>> = Vec::new();
+    if let Some(ro) = ref_out {
+        pairs.push(("output", actual.get("output").ok_or_else(|| missing("output"))?, ro, &out_mask, None));
+    }
+    let got = actual.get("kv_blocks").ok_or_else(|| missing("kv_blocks"))?;
+    pairs.push(("kv_blocks", got, ref_kv, &kv_mask, Some(case.tensor("kv_blocks")?)));
+    for (name, got, want, mask, input) in pairs {
+        let r = compare(name, got, &want, mask, input, tol)?;
+        let namer = |i: usize| if name == "output" { case.name_output(i) } else { case.name_cache(i) };
+        let _ = writeln!(text, "{name}: {} elements compared ({})", r.compared, got.dtype);
+        let at = |(v, i): (f64, usize)| if v > 0.0 { format!("{v:.3e} at {}", namer(i)) } else { "0".into() };
+        let _ = writeln!(text, "  max abs error {}", at(r.max_abs));
+        let _ = writeln!(text, "  max rel error {}", at(r.max_rel));
+        let mut h = String::new();
+        let mut lo = 0;
+        for (i, &b) in ULP_BUCKETS.iter().enumerate() {
+            let label = if b == lo { format!("{b}") } else { format!("{lo}-{b}") };
+            h += &format!("{label}: {}  ", r.ulp_hist[i]);
+            lo = b + 1;
+        }
+        h += &format!(">{}: {}  NaN mismatch: {}", ULP_BUCKETS[6], r.ulp_hist[7], r.ulp_hist[8]);
+        let _ = writeln!(text, "  ULP histogram  {h}");
+        let _ = writeln!(text, "  outside tolerance: {}", r.failures);
+        for &(i, g, w, u) in &r.worst {
+            let u = if u == u64::MAX { "NaN".into() } else { u.to_string() };
+            let _ = writeln!(text, "    {} actual {g:e}, reference {w:e}, {u} ulp", namer(i));
+        }
+        if !r.corrupted.is_empty() {
+            let _ = writeln!(
+                text,
+                "  CORRUPTION: {} elements outside the written slots changed, e.g. {}",
+                r.corrupted.len(),
+                namer(r.corrupted[0])
+            );
+        }
+        passed &= r.failures == 0 && r.corrupted.is_empty();
+        tensors.push((name.to_string(), r));
+    }
+    let _ = write!(text, "verdict: {}", if passed { "PASS" } else { "FAIL" });
+    Ok(Report { passed, text, tensors })
+}
+
+/// Comparison tolerances: an element passes when `|x − ref| ≤ atol + rtol · |ref|` **or** it is
+/// within `ulps` units in the last place of its dtype (NaN matches NaN only).
+#[derive(Debug, Clone, Copy)]
+pub struct Tolerance {
+    /// Absolute tolerance.
+    pub atol: f64,
+    /// Relative tolerance.
+    pub rtol: f64,
+    /// ULPs in the tensor's own dtype.
+    pub ulps: u64,
+}
+
+/// ULP histogram buckets (upper bounds; the last is "more").
+pub const ULP_BUCKETS: [u64; 7] = [0, 1, 2, 4, 8, 16, 256];
+
+/// The comparison of one tensor.
+#[derive(Debug, Clone, Default)]
+pub struct TensorReport {
+    /// Elements compared.
+    pub compared: usize,
+    /// Largest |x − ref| and where.
+    pub max_abs: (f64, usize),
+    /// Largest |x − ref| / |ref| and where.
+    pub max_rel: (f64, usize),
+    /// Counts per ULP bucket ([`ULP_BUCKETS`], then "more"), then NaN mismatches.
+    pub ulp_hist: [usize; 9],
+    /// Elements outside the tolerance.
+    pub failures: usize,
+    /// The worst elements: (index, got, reference, ulps).
+    pub worst: Vec<(usize, f64, f64, u64)>,
+    /// Elements the op does not write that differ from the case's input (`kv_blocks` only).
+    pub corrupted: Vec<usize>,
+}
+
+fn ordered(bits: u32, width_bits: u32) -> i64 {
+    let sign = 1u32 << (width_bits - 1);
+    if bits & sign != 0 { -((bits & !sign) as i64) } else { bits as i64 }
+}
+
+fn to_f64s(t: &Tensor) -> Result<(Vec<f64>, Vec<u32>, u32)> {
+    let d = elem_dtype(t.dtype).ok_or_else(|| CaseError(format!("unsupported dtype {}", t.dtype)))?;
+    let (vals, bits): (Vec<f64>, Vec<u32>) = match d {
+        DType::F32 => decode::<f32>(&t.data).iter().map(|v| (v.to_f32() as f64, v.to_bits())).unzip(),
+        DType::BF16 => decode::<bf16>(&t.data).iter().map(|v| (v.to_f32() as f64, Element::to_bits(*v))).unzip(),
+        DType::F16 => decode::<f16>(&t.data).iter().map(|v| (v.to_f32() as f64, Element::to_bits(*v))).unzip(),
+        DType::F8E4M3 => decode::<E4M3>(&t.data).iter().map(|v| (v.to_f32() as f64, Element::to_bits(*v))).unzip(),
+    };
+    Ok((vals, bits, 8 * d.size() as u32))
+}
+
+/// Compares `got` against the reference `want` at the `mask`ed elements; elements outside the
+/// mask are checked against `input` (when given) for corruption.
+pub fn compare(
+    name: &str,
+    got: &Tensor,
+    want: &Tensor,
+    mask: &[bool],
+    input: Option<&Tensor>,
+    tol: Tolerance,
+) -> Result<TensorReport> {
+    if got.dtype != want.dtype || got.shape != want.shape {
+        return err(format!(
+            "actual `{name}`: expected {} {}, found {} {}",
+            want.dtype,
+            dims(&want.shape),
+            got.dtype,
+            dims(&got.shape)
+        ));
+    }
+    let (g, gb, w) = to_f64s(got)?;
+    let (r, rb, _) = to_f64s(want)?;
+    let inp = input.map(to_f64s).transpose()?;
+    let mut rep = TensorReport::default();
+    let mut worst = Vec::new();
+    for i in 0..g.len() {
+        if !mask.get(i).copied().unwrap_or(false) {
+            if let Some((_, ib, _)) = &inp
+                && ib[i] != gb[i]
+            {
+                rep.corrupted.push(i);
+            }
+            continue;
+        }
+        rep.compared += 1;
+        let (x, y) = (g[i], r[i]);
+        let ulps = if x.is_nan() || y.is_nan() {
+            if x.is_nan() && y.is_nan() { 0 } else { u64::MAX }
+        } else {
+            (ordered(gb[i], w) - ordered(rb[i], w)).unsigned_abs()
+        };
+        let abs = if ulps == 0 {
+            0.0
+        } else if ulps == u64::MAX {
+            f64::INFINITY
+        } else {
+            (x - y).abs()
+        };
+        let rel = if y != 0.0 {
+            abs / y.abs()
+        } else if abs == 0.0 {
+            0.0
+        } else {
+            f64::INFINITY
+        };
+        if abs > rep.max_abs.0 {
+            rep.max_abs = (abs, i);
+        }
+        if rel > rep.max_rel.0 {
+            rep.max_rel = (rel, i);
+        }
+        let bucket = if ulps == u64::MAX { 8 } else { ULP_BUCKETS.iter().position(|&b| ulps <= b).unwrap_or(7) };
+        rep.ulp_hist[bucket] += 1;
+        let ok = ulps != u64::MAX && (abs <= tol.atol + tol.rtol * y.abs() || ulps <= tol.ulps);
+        if !ok {
+            rep.failures += 1;
+        }
+        if ulps > 0 {
+            worst.push((i, x, y, ulps));
+        }
+    }
+    worst.sort_by(|a, b| b.3.cmp(&a.3).then(a.0.cmp(&b.0)));
+    worst.truncate(10);
+    rep.worst = worst;
+    Ok(rep)
+}
