@@ -57,6 +57,7 @@ use crate::kernels::rope::{Bases, Planned, RopeSpec, RowSlots, Seqs, rope_rows, 
 use crate::kernels::schedule::{Panels, run};
 use crate::kernels::team::Team;
 pub use crate::kernels::{PackedPlainWeights, PackedWeights};
+use crate::ops::optional_parts;
 use crate::ops::{
     KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, QkvRope, RopeBshdArgs, RopeMath,
     RopeRaggedArgs, check_tensor, kv_store_bshd_slots, kv_store_ragged_slots, rope_bshd_slots, rope_ragged_slots,
@@ -131,6 +132,10 @@ pub struct QkvFp4PackedArgs<'a> {
     pub rope: Option<QkvRope<'a>>,
 }
 
+optional_parts!(QkvFp4PackedArgs<'a>);
+optional_parts!(QkvRaggedPackedArgs<'a, T>, bias);
+optional_parts!(QkvBshdPackedArgs<'a, T>);
+
 impl<'a> QkvFp4PackedArgs<'a> {
     /// The arguments with `tensor_sf` formed from the two tensor scales
     /// (`hidden_state.tensor_scale() · weight.tensor_scale()`).
@@ -147,14 +152,6 @@ impl<'a> QkvFp4PackedArgs<'a> {
     pub fn with_tensor_sf(self, tensor_sf: f32) -> Self {
         QkvFp4PackedArgs { tensor_sf, ..self }
     }
-    /// RoPE in the epilogue.
-    pub fn with_rope(self, rope: QkvRope<'a>) -> Self {
-        QkvFp4PackedArgs { rope: Some(rope), ..self }
-    }
-    /// [`with_rope`](Self::with_rope) where `Some`; `None`: no rotation.
-    pub fn maybe_rope(self, rope: Option<QkvRope<'a>>) -> Self {
-        QkvFp4PackedArgs { rope, ..self }
-    }
 }
 
 impl<'a, T> QkvRaggedPackedArgs<'a, T> {
@@ -166,22 +163,6 @@ impl<'a, T> QkvRaggedPackedArgs<'a, T> {
         q_dim: usize,
     ) -> Self {
         QkvRaggedPackedArgs { hidden_state, input_row_offsets, weight, bias: None, q_dim, rope: None }
-    }
-    /// An `[N]` bias.
-    pub fn with_bias(self, bias: &'a [T]) -> Self {
-        QkvRaggedPackedArgs { bias: Some(bias), ..self }
-    }
-    /// [`with_bias`](Self::with_bias) where `Some`; `None`: no bias.
-    pub fn maybe_bias(self, bias: Option<&'a [T]>) -> Self {
-        QkvRaggedPackedArgs { bias, ..self }
-    }
-    /// RoPE in the epilogue.
-    pub fn with_rope(self, rope: QkvRope<'a>) -> Self {
-        QkvRaggedPackedArgs { rope: Some(rope), ..self }
-    }
-    /// [`with_rope`](Self::with_rope) where `Some`; `None`: no rotation.
-    pub fn maybe_rope(self, rope: Option<QkvRope<'a>>) -> Self {
-        QkvRaggedPackedArgs { rope, ..self }
     }
 }
 
@@ -195,14 +176,6 @@ impl<'a, T> QkvBshdPackedArgs<'a, T> {
         q_dim: usize,
     ) -> Self {
         QkvBshdPackedArgs { hidden_state, batch, seq_len, weight, valid_lengths, q_dim, rope: None }
-    }
-    /// RoPE in the epilogue.
-    pub fn with_rope(self, rope: QkvRope<'a>) -> Self {
-        QkvBshdPackedArgs { rope: Some(rope), ..self }
-    }
-    /// [`with_rope`](Self::with_rope) where `Some`; `None`: no rotation.
-    pub fn maybe_rope(self, rope: Option<QkvRope<'a>>) -> Self {
-        QkvBshdPackedArgs { rope, ..self }
     }
 }
 

@@ -329,6 +329,41 @@ impl<'a> QkvRope<'a> {
     }
 }
 
+/// The setters of a fused QKV's optional RoPE (`with_rope`, `maybe_rope`), and with `bias` of its
+/// optional bias (`with_bias`, `maybe_bias`), on an argument struct with those fields.
+macro_rules! optional_parts {
+    ($s:ident<'a $(, $t:ident)?>) => {
+        impl<'a $(, $t)?> $s<'a $(, $t)?> {
+            /// RoPE on Q and the new K in the epilogue.
+            pub fn with_rope(self, rope: $crate::ops::QkvRope<'a>) -> Self {
+                $s { rope: Some(rope), ..self }
+            }
+            /// [`with_rope`](Self::with_rope) where `Some`; `None`: no rotation.
+            pub fn maybe_rope(self, rope: Option<$crate::ops::QkvRope<'a>>) -> Self {
+                $s { rope, ..self }
+            }
+        }
+    };
+    ($s:ident<'a, $t:ident>, bias) => {
+        optional_parts!($s<'a, $t>);
+        impl<'a, $t> $s<'a, $t> {
+            /// An `[N]` bias, added as MAX adds it.
+            pub fn with_bias(self, bias: &'a [$t]) -> Self {
+                $s { bias: Some(bias), ..self }
+            }
+            /// [`with_bias`](Self::with_bias) where `Some`; `None`: no bias.
+            pub fn maybe_bias(self, bias: Option<&'a [$t]>) -> Self {
+                $s { bias, ..self }
+            }
+        }
+    };
+}
+pub(crate) use optional_parts;
+
+optional_parts!(QkvFp4Args<'a>);
+optional_parts!(QkvRaggedArgs<'a, T>, bias);
+optional_parts!(QkvBshdArgs<'a, T>);
+
 impl<'a> QkvFp4Args<'a> {
     /// The arguments with `tensor_sf` formed from the two tensor scales
     /// (`hidden_state.tensor_scale() · weight.tensor_scale()`) and no RoPE.
@@ -345,14 +380,6 @@ impl<'a> QkvFp4Args<'a> {
     pub fn with_tensor_sf(self, tensor_sf: f32) -> Self {
         QkvFp4Args { tensor_sf, ..self }
     }
-    /// RoPE in the epilogue.
-    pub fn with_rope(self, rope: QkvRope<'a>) -> Self {
-        QkvFp4Args { rope: Some(rope), ..self }
-    }
-    /// [`with_rope`](Self::with_rope) where `Some`; `None`: no rotation.
-    pub fn maybe_rope(self, rope: Option<QkvRope<'a>>) -> Self {
-        QkvFp4Args { rope, ..self }
-    }
 }
 
 impl<'a, T> QkvRaggedArgs<'a, T> {
@@ -366,22 +393,6 @@ impl<'a, T> QkvRaggedArgs<'a, T> {
     ) -> Self {
         QkvRaggedArgs { hidden_state, input_row_offsets, weight, hidden_size, bias: None, q_dim, rope: None }
     }
-    /// An `[N]` bias.
-    pub fn with_bias(self, bias: &'a [T]) -> Self {
-        QkvRaggedArgs { bias: Some(bias), ..self }
-    }
-    /// [`with_bias`](Self::with_bias) where `Some`; `None`: no bias.
-    pub fn maybe_bias(self, bias: Option<&'a [T]>) -> Self {
-        QkvRaggedArgs { bias, ..self }
-    }
-    /// RoPE in the epilogue.
-    pub fn with_rope(self, rope: QkvRope<'a>) -> Self {
-        QkvRaggedArgs { rope: Some(rope), ..self }
-    }
-    /// [`with_rope`](Self::with_rope) where `Some`; `None`: no rotation.
-    pub fn maybe_rope(self, rope: Option<QkvRope<'a>>) -> Self {
-        QkvRaggedArgs { rope, ..self }
-    }
 }
 
 impl<'a, T> QkvBshdArgs<'a, T> {
@@ -394,14 +405,6 @@ impl<'a, T> QkvBshdArgs<'a, T> {
         q_dim: usize,
     ) -> Self {
         QkvBshdArgs { hidden_state, batch, seq_len, hidden_size, weight, valid_lengths, q_dim, rope: None }
-    }
-    /// RoPE in the epilogue.
-    pub fn with_rope(self, rope: QkvRope<'a>) -> Self {
-        QkvBshdArgs { rope: Some(rope), ..self }
-    }
-    /// [`with_rope`](Self::with_rope) where `Some`; `None`: no rotation.
-    pub fn maybe_rope(self, rope: Option<QkvRope<'a>>) -> Self {
-        QkvBshdArgs { rope, ..self }
     }
 }
 
