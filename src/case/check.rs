@@ -4,7 +4,7 @@
 use super::*;
 
 impl Case {
-    /// Which elements of `output` and of `kv_blocks` the op writes and [`check`] compares, under
+    /// Which elements of `output` and of `kv_blocks` the op writes and [`check()`] compares, under
     /// the default policy ([`CheckOptions::default`]: the padded operations' Q rows past
     /// `valid_lengths[b]` are not compared). Meaningful for a case that [`run`](Self::run)s; on
     /// an inconsistent one it returns an error or a partial mask, never panics.
@@ -183,7 +183,7 @@ pub fn check(case: &Case, actual: &BTreeMap<String, Tensor>, tol: Tolerance, mod
     check_with(case, actual, tol, mode, CheckOptions::default())
 }
 
-/// [`check`] under `opts`.
+/// [`check()`] under `opts`.
 pub fn check_with(
     case: &Case,
     actual: &BTreeMap<String, Tensor>,

@@ -2,7 +2,7 @@
 
 use super::*;
 
-/// Model shapes for [`make`].
+/// Model shapes for [`make()`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ModelShape {
     /// `llama3-8b`, `qwen2.5-0.5b` or `tiny`.
@@ -21,7 +21,7 @@ pub struct ModelShape {
     pub rope_theta: f64,
 }
 
-/// The models [`make`] knows.
+/// The models [`make()`] knows.
 pub const MODELS: [ModelShape; 3] = [
     ModelShape {
         name: "llama3-8b",

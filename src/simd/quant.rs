@@ -76,7 +76,7 @@ pub(crate) fn block_scale_fast(format: BlockFormat, amax: f32, g: f32) -> (u8, f
     }
 }
 
-/// [`e4m3_to_f32`] of a non-negative, non-NaN code (a block scale from [`e4m3_fast`] of a
+/// [`e4m3_to_f32`](crate::formats::fp8::e4m3_to_f32) of a non-negative, non-NaN code (a block scale from [`e4m3_fast`] of a
 /// finite `amax ≥ 0`): normals from their bits, subnormals as `m · 2^-9`.
 #[inline(always)]
 fn e4m3_decode_fast(code: u8) -> f32 {
@@ -86,7 +86,7 @@ fn e4m3_decode_fast(code: u8) -> f32 {
     if e == 0 { sub } else { normal }
 }
 
-/// [`e8m0_from_f32_roundup`] of a finite `x ≥ 0` (what a block's `amax / max` is).
+/// [`e8m0_from_f32_roundup`](crate::formats::fp8::e8m0_from_f32_roundup) of a finite `x ≥ 0` (what a block's `amax / max` is).
 #[inline(always)]
 fn e8m0_roundup_fast(x: f32) -> u8 {
     let bits = x.to_bits();
@@ -95,7 +95,7 @@ fn e8m0_roundup_fast(x: f32) -> u8 {
     (exp + u32::from(bump)) as u8
 }
 
-/// [`e8m0_to_f32`] of a byte other than `0xFF` (one [`e8m0_roundup_fast`] gives for a finite
+/// [`e8m0_to_f32`](crate::formats::fp8::e8m0_to_f32) of a byte other than `0xFF` (one [`e8m0_roundup_fast`] gives for a finite
 /// value): `0x00` is 2^-127.
 #[inline(always)]
 fn e8m0_decode_fast(byte: u8) -> f32 {
@@ -103,7 +103,7 @@ fn e8m0_decode_fast(byte: u8) -> f32 {
     f32::from_bits(if byte == 0 { 0x0040_0000 } else { bits })
 }
 
-/// [`e2m1_from_f32`](super::fp4::e2m1_from_f32) without branches: the magnitude code is the
+/// [`e2m1_from_f32`](crate::formats::fp4::e2m1_from_f32) without branches: the magnitude code is the
 /// number of rounding thresholds `|x|` passes (ties to even: the even codes' thresholds are
 /// inclusive), compared as bits (for non-negative floats the integer order is the float order),
 /// so it vectorises.
@@ -124,7 +124,7 @@ pub(crate) fn e2m1_fast(x: f32) -> u8 {
     (if b > 0x7F80_0000 { 0 } else { code }) as u8
 }
 
-/// [`e4m3_from_f32`] without branches on the value (selects, integer operations on the bits):
+/// [`e4m3_from_f32`](crate::formats::fp8::e4m3_from_f32) without branches on the value (selects, integer operations on the bits):
 /// round to nearest even on the f32 bits for normals (adding half an E4M3 step minus one, plus
 /// the kept lsb, carries into the exponent exactly when the f64 form's mantissa rounds to 8), the
 /// code then `(bits >> 20) − (120 << 3)`; `round(|x| · 512)` for subnormals through the 2^23

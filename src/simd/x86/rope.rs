@@ -47,53 +47,12 @@ fn round512(v: __m512, r: Round) -> __m512 {
 }
 
 /// # Safety
-/// AVX-512 F must be available; `row` holds the forms of `x.len()` rotary dims (`c`, `s`:
+/// AVX-512 F and BW must be available; `row` holds the forms of `x.len()` rotary dims (`c`, `s`:
 /// `x.len() / 2`; `f`, `fsw`: `x.len()` when `interleaved`).
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw")]
 pub(crate) unsafe fn rotate_avx512(x: &mut [f32], row: &RopeRow<'_>, interleaved: bool, r: Round) {
-    let rd = x.len();
-    let xp = x.as_mut_ptr();
-    if interleaved {
-        let sign = _mm512_castsi512_ps(_mm512_set1_epi64(0x8000_0000));
-        let mut i = 0;
-        while i + 16 <= rd {
-            // SAFETY: lanes i .. i + 16 of x, f and fsw (all rd long).
-            unsafe {
-                let v = round512(_mm512_loadu_ps(xp.add(i)), r);
-                let (x0, x1) = (_mm512_moveldup_ps(v), _mm512_movehdup_ps(v));
-                let t = round512(_mm512_mul_ps(x1, _mm512_loadu_ps(row.fsw.as_ptr().add(i))), r);
-                let t = xor512(t, sign); // −t in the even lanes (exact)
-                let y = round512(_mm512_fmadd_ps(x0, _mm512_loadu_ps(row.f.as_ptr().add(i)), t), r);
-                _mm512_storeu_ps(xp.add(i), y);
-            }
-            i += 16;
-        }
-        for p in i / 2..rd / 2 {
-            let (y0, y1) = pair(x[2 * p], x[2 * p + 1], row.c[p], row.s[p], r);
-            x[2 * p] = y0;
-            x[2 * p + 1] = y1;
-        }
-    } else {
-        let h = rd / 2;
-        let mut i = 0;
-        while i + 16 <= h {
-            // SAFETY: lanes i .. i + 16 of the halves (h long) and of c, s (h long).
-            unsafe {
-                let x0 = round512(_mm512_loadu_ps(xp.add(i)), r);
-                let x1 = round512(_mm512_loadu_ps(xp.add(h + i)), r);
-                let (c, s) = (_mm512_loadu_ps(row.c.as_ptr().add(i)), _mm512_loadu_ps(row.s.as_ptr().add(i)));
-                let (y0, y1) = rot512(x0, x1, c, s, r);
-                _mm512_storeu_ps(xp.add(i), y0);
-                _mm512_storeu_ps(xp.add(h + i), y1);
-            }
-            i += 16;
-        }
-        for p in i..h {
-            let (y0, y1) = pair(x[p], x[p + h], row.c[p], row.s[p], r);
-            x[p] = y0;
-            x[p + h] = y1;
-        }
-    }
+    // SAFETY: the caller's contract is `rotate`'s, on this level.
+    unsafe { rotate::<Avx512>(x, row, interleaved, r) }
 }
 
 /// [`RopeRow::fill`]'s half-split forms from an f32 freqs row (`c0, s0, c1, s1, …`) of whole
@@ -112,11 +71,11 @@ pub(crate) unsafe fn fill_half_avx512(row: &[f32], c: &mut [f32], s: &mut [f32],
         // SAFETY: values 2b .. 2b + 64 of row (2b + 64 ≤ 2h) and b .. b + 32 of each form.
         unsafe {
             let f = chunk_forms::<F32>(row.as_ptr().add(2 * b).cast(), true);
-            for (j, (v, w)) in f.c.iter().zip(&f.s).enumerate() {
+            for (j, (v, w)) in f.c[..2].iter().zip(&f.s[..2]).enumerate() {
                 _mm512_storeu_ps(c.as_mut_ptr().add(b + 16 * j), *v);
                 _mm512_storeu_ps(s.as_mut_ptr().add(b + 16 * j), *w);
             }
-            let [ce, co, se, so] = f.d;
+            let [ce, co, se, so] = f.d[0];
             _mm512_storeu_ps(cd.as_mut_ptr().add(b), ce);
             _mm512_storeu_ps(cd.as_mut_ptr().add(b + 16), co);
             _mm512_storeu_ps(sd.as_mut_ptr().add(b), se);
@@ -192,49 +151,8 @@ fn round256(v: __m256, r: Round) -> __m256 {
 /// AVX2, FMA and F16C must be available; `row` as in [`rotate_avx512`].
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn rotate_avx2(x: &mut [f32], row: &RopeRow<'_>, interleaved: bool, r: Round) {
-    let rd = x.len();
-    let xp = x.as_mut_ptr();
-    if interleaved {
-        let sign = _mm256_castsi256_ps(_mm256_set1_epi64x(0x8000_0000));
-        let mut i = 0;
-        while i + 8 <= rd {
-            // SAFETY: lanes i .. i + 8 of x, f and fsw (all rd long).
-            unsafe {
-                let v = round256(_mm256_loadu_ps(xp.add(i)), r);
-                let (x0, x1) = (_mm256_moveldup_ps(v), _mm256_movehdup_ps(v));
-                let t = round256(_mm256_mul_ps(x1, _mm256_loadu_ps(row.fsw.as_ptr().add(i))), r);
-                let t = _mm256_xor_ps(t, sign);
-                let y = round256(_mm256_fmadd_ps(x0, _mm256_loadu_ps(row.f.as_ptr().add(i)), t), r);
-                _mm256_storeu_ps(xp.add(i), y);
-            }
-            i += 8;
-        }
-        for p in i / 2..rd / 2 {
-            let (y0, y1) = pair(x[2 * p], x[2 * p + 1], row.c[p], row.s[p], r);
-            x[2 * p] = y0;
-            x[2 * p + 1] = y1;
-        }
-    } else {
-        let h = rd / 2;
-        let mut i = 0;
-        while i + 8 <= h {
-            // SAFETY: lanes i .. i + 8 of the halves and of c, s (h long).
-            unsafe {
-                let x0 = round256(_mm256_loadu_ps(xp.add(i)), r);
-                let x1 = round256(_mm256_loadu_ps(xp.add(h + i)), r);
-                let (c, s) = (_mm256_loadu_ps(row.c.as_ptr().add(i)), _mm256_loadu_ps(row.s.as_ptr().add(i)));
-                let (y0, y1) = rot256(x0, x1, c, s, r);
-                _mm256_storeu_ps(xp.add(i), y0);
-                _mm256_storeu_ps(xp.add(h + i), y1);
-            }
-            i += 8;
-        }
-        for p in i..h {
-            let (y0, y1) = pair(x[p], x[p + h], row.c[p], row.s[p], r);
-            x[p] = y0;
-            x[p + h] = y1;
-        }
-    }
+    // SAFETY: the caller's contract is `rotate`'s, on this level.
+    unsafe { rotate::<Avx2>(x, row, interleaved, r) }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -370,7 +288,8 @@ pub(crate) unsafe fn copy16_avx512(src: *const u16, dst: *mut u16, n: usize, bf1
 
 // ---------------------------------------------------------------------------------------------
 // Whole heads in place (the standalone RoPE's inner loop): load the element type, rotate, store,
-// with no intermediate buffer.
+// with no intermediate buffer. The levels' loads, stores and bf16 joins first, then the kernels
+// written once over both (`Lanes`).
 
 /// Element types the head kernels load and store directly.
 pub(crate) const BF16: u8 = 0;
@@ -406,17 +325,6 @@ unsafe fn store512<const K: u8>(p: *mut u8, v: __m512) {
             _ => _mm512_storeu_ps(p.cast(), v),
         }
     }
-}
-
-/// One rotation step on 16 lanes of pairs: the oracle's operations, rounded after each as `r` says.
-#[target_feature(enable = "avx512f")]
-#[inline]
-fn rot512(x0: __m512, x1: __m512, c: __m512, s: __m512, r: Round) -> (__m512, __m512) {
-    let t1 = round512(_mm512_mul_ps(x1, s), r);
-    let y0 = round512(_mm512_fmadd_ps(x0, c, xor512(t1, _mm512_set1_ps(-0.0))), r);
-    let t2 = round512(_mm512_mul_ps(x1, c), r);
-    let y1 = round512(_mm512_fmadd_ps(x0, s, t2), r);
-    (y0, y1)
 }
 
 /// The even and odd bf16 elements of 32 at `p`, widened to f32 (exact) and rounded as `r` says.
@@ -587,167 +495,67 @@ unsafe fn join_bf16_cvt_acc(p: *mut u8, e: __m512, o: __m512, acc: &mut __m512i)
     unsafe { store_interleaved(p, r) }
 }
 
-/// One half-split step of 32 bf16 pairs at pair `i`: elements `i .. i + 32` of both halves (`hh`
-/// apart) of a head from `from` into `base`, with the de-interleaved forms `cd`, `sd`; stored by
-/// [`join_bf16_cvt`] when `CVT`, else by [`join_bf16`] (the same bits).
-///
-/// # Safety
-/// AVX-512 F and BW (and BF16 when `CVT`) must be available; `i + 32 ≤ hh`; both halves readable at `from` and writable
-/// at `base` (the same head or non-overlapping); `cd`, `sd` hold `hh` values.
-#[target_feature(enable = "avx512f,avx512bw")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn half_step_bf16<const CVT: bool>(
-    from: *const u8,
-    base: *mut u8,
-    hh: usize,
-    i: usize,
-    cd: *const f32,
-    sd: *const f32,
-    r: Round,
-) {
-    // SAFETY: the caller's contract covers every address below.
+unsafe fn load256<const K: u8>(p: *const u8) -> __m256 {
+    // SAFETY: the caller guarantees 8 elements at p.
     unsafe {
-        let (ce, co) = (_mm512_loadu_ps(cd.add(i)), _mm512_loadu_ps(cd.add(i + 16)));
-        let (se, so) = (_mm512_loadu_ps(sd.add(i)), _mm512_loadu_ps(sd.add(i + 16)));
-        half_step_bf16_regs::<CVT, false>(from, base, hh, i, [ce, co, se, so], r, &mut _mm512_setzero_si512());
-    }
-}
-
-/// [`half_step_bf16`] with the forms in registers: `[ce, co, se, so]`, the even and odd pairs'
-/// `cd` and `sd` values of pairs `i .. i + 32`.
-///
-/// # Safety
-/// As [`half_step_bf16`], without the forms' memory.
-#[target_feature(enable = "avx512f,avx512bw")]
-#[inline]
-unsafe fn half_step_bf16_regs<const CVT: bool, const ACC: bool>(
-    from: *const u8,
-    base: *mut u8,
-    hh: usize,
-    i: usize,
-    f: [__m512; 4],
-    r: Round,
-    acc: &mut __m512i,
-) {
-    let [ce, co, se, so] = f;
-    // SAFETY: the caller's contract covers every address below.
-    unsafe {
-        let (x0e, x0o) = split_bf16(from.add(i * 2), r);
-        let (x1e, x1o) = split_bf16(from.add((hh + i) * 2), r);
-        let (y0e, y1e) = rot512(x0e, x1e, ce, se, r);
-        let (y0o, y1o) = rot512(x0o, x1o, co, so, r);
-        join_bf16_with::<CVT, ACC>(base.add(i * 2), y0e, y0o, acc);
-        join_bf16_with::<CVT, ACC>(base.add((hh + i) * 2), y1e, y1o, acc);
-    }
-}
-
-/// One half-split step of 16 pairs of kind `K` at pair `i`, with the forms `c`, `s`.
-///
-/// # Safety
-/// As [`half_step_bf16`] with 16 pairs; `c`, `s` hold `hh` values.
-#[target_feature(enable = "avx512f,avx512bw")]
-#[inline]
-unsafe fn half_step<const K: u8>(
-    from: *const u8,
-    base: *mut u8,
-    hh: usize,
-    i: usize,
-    c: *const f32,
-    s: *const f32,
-    r: Round,
-) {
-    // SAFETY: the caller's contract covers every address below.
-    unsafe { half_step_regs::<K>(from, base, hh, i, _mm512_loadu_ps(c.add(i)), _mm512_loadu_ps(s.add(i)), r) }
-}
-
-/// [`half_step`] with the forms `c`, `s` of pairs `i .. i + 16` in registers.
-///
-/// # Safety
-/// As [`half_step`], without the forms' memory.
-#[target_feature(enable = "avx512f,avx512bw")]
-#[inline]
-unsafe fn half_step_regs<const K: u8>(
-    from: *const u8,
-    base: *mut u8,
-    hh: usize,
-    i: usize,
-    c: __m512,
-    s: __m512,
-    r: Round,
-) {
-    let size = if K == F32 { 4 } else { 2 };
-    // SAFETY: the caller's contract covers every address below.
-    unsafe {
-        let x0 = round512(load512::<K>(from.add(i * size)), r);
-        let x1 = round512(load512::<K>(from.add((hh + i) * size)), r);
-        let (y0, y1) = rot512(x0, x1, c, s, r);
-        store512::<K>(base.add(i * size), y0);
-        store512::<K>(base.add((hh + i) * size), y1);
-    }
-}
-
-/// Whether [`heads_half_avx512`] handles a call: half-split, `F32` math, a rotary half `hh` of
-/// whole vectors of `kind` (32 pairs for bf16, 16 otherwise).
-pub(crate) fn half_fast_path(kind: u8, interleaved: bool, r: Round, hh: usize) -> bool {
-    !interleaved && r == Round::None && hh > 0 && hh.is_multiple_of(if kind == BF16 { 32 } else { 16 })
-}
-
-/// [`heads_avx512`]'s commonest cases on their own: half-split pairs, `F32` math (no rounding
-/// between operations), a rotary half of whole vectors (32 pairs for bf16, 16 for f16 and f32).
-/// The general kernel decides its pairing and rounding at run time and keeps a dozen values per
-/// head on the stack; with Qwen's 64-dim heads (one step per head) that bookkeeping cost about as
-/// much as the rotation (measured: 512 Qwen-shaped bf16 tokens 10 % faster, one core, Xeon). The
-/// same operations as the general kernel, so the same bits. [`half_fast_path`] says when it applies
-/// (the dispatch calls it directly, before the general kernel's prologue). `CVT`: bf16 heads
-/// stored by [`join_bf16_cvt`] (the same bits as [`join_bf16`]).
-///
-/// # Safety
-/// AVX-512 F and BW (and BF16 when `CVT`) must be available; `src` and `x` each hold `heads · d` elements of kind `K`
-/// and either are the same pointer or do not overlap; `2 · hh ≤ d`, `hh` a multiple of 32 (bf16)
-/// or 16; `row` holds the half-split forms of `hh` pairs (`c`, `s`, `cd`, `sd`).
-#[target_feature(enable = "avx512f,avx512bw")]
-pub(crate) unsafe fn heads_half_avx512<const K: u8, const CVT: bool>(
-    src: *const u8,
-    x: *mut u8,
-    heads: usize,
-    d: usize,
-    hh: usize,
-    row: &RopeRow<'_>,
-) {
-    let size = if K == F32 { 4 } else { 2 };
-    let step = if K == BF16 { 32 } else { 16 };
-    debug_assert!(hh.is_multiple_of(step) && 2 * hh <= d);
-    debug_assert!(row.c.len() == hh && row.s.len() == hh && row.cd.len() == hh && row.sd.len() == hh);
-    let (c, s, cd, sd) = (row.c.as_ptr(), row.s.as_ptr(), row.cd.as_ptr(), row.sd.as_ptr());
-    for h in 0..heads {
-        let (from, base) = (src.wrapping_add(h * d * size), x.wrapping_add(h * d * size));
-        let mut i = 0;
-        while i < hh {
-            // SAFETY: elements i .. i + step of both halves of head h (i + step ≤ hh, hh + hh ≤
-            // d) and pairs i .. i + step of the forms (hh long each).
-            unsafe {
-                if K == BF16 {
-                    half_step_bf16::<CVT>(from, base, hh, i, cd, sd, Round::None);
-                } else {
-                    half_step::<K>(from, base, hh, i, c, s, Round::None);
-                }
-            }
-            i += step;
+        match K {
+            BF16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())))),
+            F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
+            _ => _mm256_loadu_ps(p.cast()),
         }
     }
 }
 
-/// The half-split forms of one 32-pair chunk of a freqs row, in registers: `c` and `s` of pairs
-/// 0–15 and 16–31, and `cd`, `sd` (the bf16 kernel's even / odd split) — [`fill_half_avx512`]'s
-/// values for that chunk; and `f`, the 64 freqs themselves (`c0, s0, c1, s1, …`, the interleaved
-/// kernels' `f` form: [`RopeRow::fill`]'s values).
-#[derive(Clone, Copy)]
-struct ChunkForms {
-    c: [__m512; 2],
-    s: [__m512; 2],
-    /// `[ce, co, se, so]`.
-    d: [__m512; 4],
-    f: [__m512; 4],
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn store256<const K: u8>(p: *mut u8, v: __m256) {
+    // SAFETY: the caller guarantees room for 8 elements at p.
+    unsafe {
+        match K {
+            BF16 => {
+                let b = _mm256_srli_epi32::<16>(_mm256_castps_si256(round256(v, Round::Bf16)));
+                let h = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256::<1>(b));
+                _mm_storeu_si128(p.cast(), h);
+            }
+            F16 => _mm_storeu_si128(p.cast(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)),
+            _ => _mm256_storeu_ps(p.cast(), v),
+        }
+    }
+}
+
+/// [`split_bf16`] for 16 bf16 at `p`.
+///
+/// # Safety
+/// AVX2 must be available; 32 readable bytes at `p`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn split_bf16_256(p: *const u8, r: Round) -> (__m256, __m256) {
+    // SAFETY: the caller guarantees 32 bytes at p.
+    let v = unsafe { _mm256_loadu_si256(p.cast()) };
+    let e = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v));
+    let o = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF_0000u32 as i32)));
+    (round256(e, r), round256(o, r))
+}
+
+/// [`join_bf16`] for 16 bf16 at `p`, without mask registers: the words are put in place by
+/// `vpblendw`, the unsigned `t > 0x8000` is the signed `t ^ 0x8000 > 0`, and the round-up adds
+/// the compare's all-ones (−1) by a subtraction. The same preconditions on NaNs.
+///
+/// # Safety
+/// AVX2 must be available; 32 writable bytes at `p`; NaNs in `e`, `o` as for [`join_bf16`].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn join_bf16_256(p: *mut u8, e: __m256, o: __m256) {
+    let (e, o) = (_mm256_castps_si256(e), _mm256_castps_si256(o));
+    let hi = _mm256_blend_epi16::<0xAA>(_mm256_srli_epi32::<16>(e), o);
+    let lo = _mm256_blend_epi16::<0xAA>(e, _mm256_slli_epi32::<16>(o));
+    let t = _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi16(1)));
+    let sign = _mm256_set1_epi16(0x8000u16 as i16);
+    let up = _mm256_cmpgt_epi16(_mm256_xor_si256(t, sign), _mm256_setzero_si256());
+    // SAFETY: the caller guarantees 32 bytes at p.
+    unsafe { _mm256_storeu_si256(p.cast(), _mm256_sub_epi16(hi, up)) }
 }
 
 /// [`default_nan512`] on AVX2.
@@ -764,7 +572,7 @@ fn default_nan512(v: __m512) -> __m512 {
     _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v), _mm512_set1_ps(f32::NAN))
 }
 
-/// [`ChunkForms`] of the 64 freqs (`c0, s0, c1, s1, …`) of kind `KF` at `p`: widened exactly,
+/// [`Forms`] of the 64 freqs (`c0, s0, c1, s1, …`) of kind `KF` at `p`: widened exactly,
 /// NaN made the default NaN where `canon_nan` (see [`token_avx512`] for where not),
 /// de-interleaved by 8 two-source permutes (what [`fill_half_avx512`] stores per chunk).
 ///
@@ -772,7 +580,7 @@ fn default_nan512(v: __m512) -> __m512 {
 /// AVX-512 F must be available; 64 readable elements of kind `KF` at `p`.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn chunk_forms<const KF: u8>(p: *const u8, canon_nan: bool) -> ChunkForms {
+unsafe fn chunk_forms<const KF: u8>(p: *const u8, canon_nan: bool) -> Forms<__m512> {
     let size = if KF == F32 { 4 } else { 2 };
     let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
@@ -787,43 +595,40 @@ unsafe fn chunk_forms<const KF: u8>(p: *const u8, canon_nan: bool) -> ChunkForms
         _mm512_permutex2var_ps(s0, even, s1),
         _mm512_permutex2var_ps(s0, odd, s1),
     ];
-    ChunkForms { c: [c0, c1], s: [s0, s1], d, f }
+    let z = _mm512_setzero_ps();
+    Forms { c: [c0, c1, z, z], s: [s0, s1, z, z], d: [d, [z; 4]], f: [f[0], f[1], f[2], f[3], z, z, z, z], fsw: [z; 8] }
 }
 
-/// [`heads_half_avx512`] with the forms in registers: `N` chunks of 32 pairs (`hh = 32 N`).
+/// [`Forms`] of the 64 freqs of kind `KF` at `p` on AVX2: widened exactly, NaN made the default
+/// NaN where `canon_nan`, de-interleaved as [`fill_half_avx2`] does (the same values).
 ///
 /// # Safety
-/// As [`heads_half_avx512`] for `hh = 32 N`, with `forms` the chunks' forms.
-#[target_feature(enable = "avx512f,avx512bw")]
+/// AVX2, FMA and F16C must be available; 64 readable elements of kind `KF` at `p`.
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn heads_half_regs<const K: u8, const N: usize, const CVT: bool, const ACC: bool>(
-    src: *const u8,
-    x: *mut u8,
-    heads: usize,
-    forms: &[ChunkForms; N],
-    acc: &mut __m512i,
-) {
-    let (size, hh) = (if K == F32 { 4 } else { 2 }, 32 * N);
-    // The Q heads (rotated out of place) prefetch the next head's output (`prefetch_out`).
-    let out_of_place = src != x.cast_const();
-    for h in 0..heads {
-        let (from, base) = (src.wrapping_add(2 * h * hh * size), x.wrapping_add(2 * h * hh * size));
-        if out_of_place {
-            prefetch_out(base.wrapping_add(2 * hh * size), 2 * hh * size);
-        }
-        for (b, f) in forms.iter().enumerate() {
-            let i = 32 * b;
-            // SAFETY: pairs i .. i + 32 of both halves of head h (i + 32 ≤ hh, d = 2 hh).
-            unsafe {
-                if K == BF16 {
-                    half_step_bf16_regs::<CVT, ACC>(from, base, hh, i, f.d, Round::None, acc);
-                } else {
-                    half_step_regs::<K>(from, base, hh, i, f.c[0], f.s[0], Round::None);
-                    half_step_regs::<K>(from, base, hh, i + 16, f.c[1], f.s[1], Round::None);
-                }
-            }
-        }
+unsafe fn chunk_forms_256<const KF: u8>(p: *const u8, canon_nan: bool) -> Forms<__m256> {
+    let size = if KF == F32 { 4 } else { 2 };
+    let canon = |v: __m256| if canon_nan { default_nan256(v) } else { v };
+    // The even and the odd elements of the 16 values a, b, in order.
+    let split = |a: __m256, b: __m256| {
+        let e = _mm256_castpd_ps(_mm256_permute4x64_pd::<0xD8>(_mm256_castps_pd(_mm256_shuffle_ps::<0x88>(a, b))));
+        let o = _mm256_castpd_ps(_mm256_permute4x64_pd::<0xD8>(_mm256_castps_pd(_mm256_shuffle_ps::<0xDD>(a, b))));
+        (e, o)
+    };
+    let zero = _mm256_setzero_ps();
+    let (mut c, mut s, mut f) = ([zero; 4], [zero; 4], [zero; 8]);
+    for i in 0..8 {
+        // SAFETY: elements 8i .. 8i + 8 of the 64 at p.
+        f[i] = canon(unsafe { load256::<KF>(p.add(8 * i * size)) });
     }
+    for j in 0..4 {
+        (c[j], s[j]) = split(f[2 * j], f[2 * j + 1]);
+    }
+    // The chunk's `cd`, `sd` (`fill_half_avx2`'s layout): the even pairs of 0–15 and of 16–31,
+    // then their odd pairs; a 16-pair bf16 step takes its even and odd pairs' values.
+    let ((ce0, co0), (ce1, co1)) = (split(c[0], c[1]), split(c[2], c[3]));
+    let ((se0, so0), (se1, so1)) = (split(s[0], s[1]), split(s[2], s[3]));
+    Forms { c, s, d: [[ce0, co0, se0, so0], [ce1, co1, se1, so1]], f, fsw: [zero; 8] }
 }
 
 /// Prefetches the `bytes` at `p` into L1 (`prefetcht0`, one per 64 bytes; a hint: it reads and
@@ -848,6 +653,742 @@ fn prefetch_out(p: *mut u8, bytes: usize) {
     }
 }
 
+/// Whether [`heads_half_avx512`] handles a call: half-split, `F32` math, a rotary half `hh` of
+/// whole vectors of `kind` (32 pairs for bf16, 16 otherwise).
+pub(crate) fn half_fast_path(kind: u8, interleaved: bool, r: Round, hh: usize) -> bool {
+    !interleaved && r == Round::None && hh > 0 && hh.is_multiple_of(if kind == BF16 { 32 } else { 16 })
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernels, written once over `Lanes` (AVX2: 8 f32 lanes, AVX-512: 16). Each public entry
+// point below is a `#[target_feature]` function that instantiates a generic body with its
+// level's `Lanes`; the bodies are `#[inline(always)]`, so every `Lanes` method (itself a
+// `#[target_feature]` function of that level) inlines into the entry point.
+
+/// The half-split forms of one 32-pair chunk of a freqs row, in registers (as many of each array
+/// as the level's vectors need; the rest unused): `c`, `s` of pairs `L·j .. L·j + L`; per bf16
+/// half-split step `j` (each covers `2L` pairs), `d[j] = [ce, co, se, so]`, the `cd`, `sd` values
+/// of its even and odd pairs ([`RopeRow::fill`]'s per-32-pair de-interleaving); and `f`, the 64
+/// freqs themselves (`c0, s0, c1, s1, …`: the interleaved kernels' `f` form), `L` per vector;
+/// `fsw`, `f` with each (c, s) pair swapped (exact), where the token kernels need it.
+#[derive(Clone, Copy)]
+struct Forms<V> {
+    c: [V; 4],
+    s: [V; 4],
+    d: [[V; 4]; 2],
+    f: [V; 8],
+    fsw: [V; 8],
+}
+
+/// The vector operations the kernels are written with, one implementation per x86 level.
+///
+/// # Safety
+/// Every method requires its level's features (AVX2, FMA, F16C for [`Avx2`]; AVX-512 F and BW
+/// as well for [`Avx512`]); pointer arguments as each says.
+trait Lanes {
+    /// A vector of `L` f32.
+    type V: Copy;
+    /// What a run of bf16 joins records for a later check (AVX-512's `vcvtne2ps2bf16` joins;
+    /// nothing on AVX2).
+    type Acc: Copy;
+    /// f32 lanes per vector.
+    const L: usize;
+    /// Whether the token kernels prefetch the next Q head's output ([`prefetch_out`]).
+    const PREFETCH_OUT: bool;
+
+    /// All lanes 0.
+    unsafe fn zero() -> Self::V;
+    /// `L` f32 at `p`.
+    unsafe fn loadu(p: *const f32) -> Self::V;
+    /// `L` elements of kind `K` at `p`, widened exactly.
+    unsafe fn load<const K: u8>(p: *const u8) -> Self::V;
+    /// `L` elements of kind `K` at `p`, each rounded once (round to nearest even).
+    unsafe fn store<const K: u8>(p: *mut u8, v: Self::V);
+    unsafe fn round(v: Self::V, r: Round) -> Self::V;
+    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
+    /// `a · b + c`, one rounding.
+    unsafe fn fmadd(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    /// `−v` (exact).
+    unsafe fn neg(v: Self::V) -> Self::V;
+    /// `−v` in the even lanes, `v` in the odd ones (exact).
+    unsafe fn neg_even(v: Self::V) -> Self::V;
+    /// Each even lane duplicated into the odd lane after it (`moveldup`).
+    unsafe fn dup_even(v: Self::V) -> Self::V;
+    /// Each odd lane duplicated into the even lane before it (`movehdup`).
+    unsafe fn dup_odd(v: Self::V) -> Self::V;
+    /// The two lanes of each pair swapped (exact).
+    unsafe fn swap_pairs(v: Self::V) -> Self::V;
+    /// The even and odd bf16 elements of `2L` at `p`, widened (exact), rounded as `r` says.
+    unsafe fn split_bf16(p: *const u8, r: Round) -> (Self::V, Self::V);
+    /// Stores the even `e` and odd `o` lanes as `2L` bf16 at `p`, each rounded once; `CVT` and
+    /// `ACC` as AVX-512's [`join_bf16_with`] (ignored where the level has no such join).
+    unsafe fn join_bf16<const CVT: bool, const ACC: bool>(p: *mut u8, e: Self::V, o: Self::V, acc: &mut Self::Acc);
+    /// An empty record.
+    unsafe fn acc_new() -> Self::Acc;
+    /// Whether a recorded join stored a ±0 word (the joins must then be redone).
+    unsafe fn acc_hit(acc: Self::Acc) -> bool;
+    /// The [`Forms`] of the 64 freqs of kind `KF` at `p`: widened exactly, NaN made the default
+    /// NaN where `canon`, de-interleaved as [`RopeRow::fill`] does.
+    unsafe fn forms<const KF: u8>(p: *const u8, canon: bool) -> Forms<Self::V>;
+}
+
+/// Element size in bytes of a kind.
+const fn size(kind: u8) -> usize {
+    if kind == F32 { 4 } else { 2 }
+}
+
+/// One rotation step on pairs: the oracle's operations, rounded after each as `r` says.
+#[inline(always)]
+unsafe fn rot<S: Lanes>(x0: S::V, x1: S::V, c: S::V, s: S::V, r: Round) -> (S::V, S::V) {
+    // SAFETY: register operations of the caller's level.
+    unsafe {
+        let t1 = S::round(S::mul(x1, s), r);
+        let y0 = S::round(S::fmadd(x0, c, S::neg(t1)), r);
+        let t2 = S::round(S::mul(x1, c), r);
+        let y1 = S::round(S::fmadd(x0, s, t2), r);
+        (y0, y1)
+    }
+}
+
+/// One interleaved step on `L` elements (`L/2` pairs) already loaded: `t = X1 · fsw`, then
+/// `fma(X0, f, (−t_even, t_odd))`, rounded as `r` says.
+#[inline(always)]
+unsafe fn inter<S: Lanes>(v: S::V, f: S::V, fsw: S::V, r: Round) -> S::V {
+    // SAFETY: register operations of the caller's level.
+    unsafe {
+        let (x0, x1) = (S::dup_even(v), S::dup_odd(v));
+        let t = S::neg_even(S::round(S::mul(x1, fsw), r));
+        S::round(S::fmadd(x0, f, t), r)
+    }
+}
+
+/// `RopeRow` rotation of an f32 buffer (`rotate_avx512`, `rotate_avx2`).
+///
+/// # Safety
+/// The level's features; `row` holds the forms of `x.len()` rotary dims.
+#[inline(always)]
+unsafe fn rotate<S: Lanes>(x: &mut [f32], row: &RopeRow<'_>, interleaved: bool, r: Round) {
+    let (rd, l) = (x.len(), S::L);
+    let xp = x.as_mut_ptr();
+    if interleaved {
+        let mut i = 0;
+        while i + l <= rd {
+            // SAFETY: lanes i .. i + L of x, f and fsw (all rd long).
+            unsafe {
+                let v = S::round(S::loadu(xp.add(i)), r);
+                let y = inter::<S>(v, S::loadu(row.f.as_ptr().add(i)), S::loadu(row.fsw.as_ptr().add(i)), r);
+                S::store::<F32>(xp.add(i).cast(), y);
+            }
+            i += l;
+        }
+        for p in i / 2..rd / 2 {
+            let (y0, y1) = pair(x[2 * p], x[2 * p + 1], row.c[p], row.s[p], r);
+            x[2 * p] = y0;
+            x[2 * p + 1] = y1;
+        }
+    } else {
+        let h = rd / 2;
+        let mut i = 0;
+        while i + l <= h {
+            // SAFETY: lanes i .. i + L of the halves (h long) and of c, s (h long).
+            unsafe {
+                let x0 = S::round(S::loadu(xp.add(i)), r);
+                let x1 = S::round(S::loadu(xp.add(h + i)), r);
+                let (c, s) = (S::loadu(row.c.as_ptr().add(i)), S::loadu(row.s.as_ptr().add(i)));
+                let (y0, y1) = rot::<S>(x0, x1, c, s, r);
+                S::store::<F32>(xp.add(i).cast(), y0);
+                S::store::<F32>(xp.add(h + i).cast(), y1);
+            }
+            i += l;
+        }
+        for p in i..h {
+            let (y0, y1) = pair(x[p], x[p + h], row.c[p], row.s[p], r);
+            x[p] = y0;
+            x[p + h] = y1;
+        }
+    }
+}
+
+/// One half-split bf16 step of `2L` pairs at pair `i` with the forms in registers
+/// (`[ce, co, se, so]`, the even and odd pairs' `cd` and `sd` values): both halves (`hh` apart)
+/// of a head from `from` into `base`.
+///
+/// # Safety
+/// The level's features (and AVX-512 BF16 when `CVT`); `i + 2L ≤ hh`; both halves readable at
+/// `from` and writable at `base` (the same head or non-overlapping).
+#[inline(always)]
+unsafe fn half_step_bf16<S: Lanes, const CVT: bool, const ACC: bool>(
+    (from, base): (*const u8, *mut u8),
+    hh: usize,
+    i: usize,
+    f: [S::V; 4],
+    r: Round,
+    acc: &mut S::Acc,
+) {
+    let [ce, co, se, so] = f;
+    // SAFETY: the caller's contract covers every address below.
+    unsafe {
+        let (x0e, x0o) = S::split_bf16(from.add(i * 2), r);
+        let (x1e, x1o) = S::split_bf16(from.add((hh + i) * 2), r);
+        let (y0e, y1e) = rot::<S>(x0e, x1e, ce, se, r);
+        let (y0o, y1o) = rot::<S>(x0o, x1o, co, so, r);
+        S::join_bf16::<CVT, ACC>(base.add(i * 2), y0e, y0o, acc);
+        S::join_bf16::<CVT, ACC>(base.add((hh + i) * 2), y1e, y1o, acc);
+    }
+}
+
+/// [`half_step_bf16`] with its forms read from `cd`, `sd` (`hh` values each, de-interleaved per
+/// 32 pairs: the step's even pairs at `i / 32 · 32 + i % 32 / 2`, its odd ones 16 further).
+///
+/// # Safety
+/// As [`half_step_bf16`]; the 32-pair chunk of `i` lies within `hh`.
+#[inline(always)]
+unsafe fn half_step_bf16_mem<S: Lanes, const CVT: bool>(
+    fb: (*const u8, *mut u8),
+    hh: usize,
+    i: usize,
+    (cd, sd): (*const f32, *const f32),
+    r: Round,
+) {
+    let (ev, od) = (i / 32 * 32 + i % 32 / 2, i / 32 * 32 + 16 + i % 32 / 2);
+    // SAFETY: the caller's contract covers every address below (od + L ≤ hh).
+    unsafe {
+        let f = [S::loadu(cd.add(ev)), S::loadu(cd.add(od)), S::loadu(sd.add(ev)), S::loadu(sd.add(od))];
+        half_step_bf16::<S, CVT, false>(fb, hh, i, f, r, &mut S::acc_new());
+    }
+}
+
+/// One half-split step of `L` pairs of kind `K` at pair `i`, with the forms `c`, `s` of those
+/// pairs.
+///
+/// # Safety
+/// The level's features; `i + L ≤ hh`; both halves readable at `from` and writable at `base`.
+#[inline(always)]
+unsafe fn half_step<S: Lanes, const K: u8>(
+    (from, base): (*const u8, *mut u8),
+    hh: usize,
+    i: usize,
+    c: S::V,
+    s: S::V,
+    r: Round,
+) {
+    let sz = size(K);
+    // SAFETY: the caller's contract covers every address below.
+    unsafe {
+        let x0 = S::round(S::load::<K>(from.add(i * sz)), r);
+        let x1 = S::round(S::load::<K>(from.add((hh + i) * sz)), r);
+        let (y0, y1) = rot::<S>(x0, x1, c, s, r);
+        S::store::<K>(base.add(i * sz), y0);
+        S::store::<K>(base.add((hh + i) * sz), y1);
+    }
+}
+
+/// The general heads kernel (`heads_avx512`, `heads_avx2`): the rotary region of `heads` heads
+/// of `d` elements of kind `K` from `src` into `x`, pairing and rounding decided at run time.
+/// Returns the pairs per head left to the caller (a tail shorter than a vector).
+///
+/// # Safety
+/// As `heads_avx512`, with the level's features.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn heads_any<S: Lanes, const K: u8>(
+    src: *const u8,
+    x: *mut u8,
+    heads: usize,
+    d: usize,
+    rd: usize,
+    row: &RopeRow<'_>,
+    interleaved: bool,
+    r: Round,
+) -> usize {
+    let (sz, l) = (size(K), S::L);
+    let at = if interleaved { d - rd } else { 0 };
+    let hh = rd / 2;
+    let done = if interleaved { rd / l * l } else { hh / l * l };
+    // bf16: 2L elements per step split into even / odd lanes by a shift and a mask, and stored by
+    // the level's join: no widening or narrowing instruction (those were port-5 bound). Half-split
+    // steps read `cd`, `sd`, de-interleaved per 32 pairs, so they cover whole chunks of 32.
+    let start = match K {
+        BF16 if interleaved => rd / (2 * l) * (2 * l),
+        BF16 => hh / 32 * 32,
+        _ => 0,
+    };
+    // One pass over the heads, the pairing decided outside it (a head of Qwen's 64 dims is a
+    // single step: per-head overhead counts).
+    for h in 0..heads {
+        let (base, from) = (x.wrapping_add((h * d + at) * sz), src.wrapping_add((h * d + at) * sz));
+        if interleaved {
+            for i in (0..start).step_by(2 * l) {
+                // SAFETY: elements i .. i + 2L of the region (rd long), pairs i/2 .. i/2 + L of
+                // c and s (rd/2 long).
+                unsafe {
+                    let (x0, x1) = S::split_bf16(from.add(i * 2), r);
+                    let c = S::loadu(row.c.as_ptr().add(i / 2));
+                    let s = S::loadu(row.s.as_ptr().add(i / 2));
+                    let (y0, y1) = rot::<S>(x0, x1, c, s, r);
+                    S::join_bf16::<false, false>(base.add(i * 2), y0, y1, &mut S::acc_new());
+                }
+            }
+            for i in (start..done).step_by(l) {
+                // SAFETY: elements i .. i + L of the region; f and fsw are rd long.
+                unsafe {
+                    let v = S::round(S::load::<K>(from.add(i * sz)), r);
+                    let y = inter::<S>(v, S::loadu(row.f.as_ptr().add(i)), S::loadu(row.fsw.as_ptr().add(i)), r);
+                    S::store::<K>(base.add(i * sz), y);
+                }
+            }
+        } else {
+            let (cd, sd) = (row.cd.as_ptr(), row.sd.as_ptr());
+            for i in (0..start).step_by(2 * l) {
+                // SAFETY: elements i .. i + 2L of both halves (hh long, i + 2L ≤ start ≤ hh,
+                // start a multiple of 32, so the step's 32-pair chunk of cd and sd is whole).
+                unsafe { half_step_bf16_mem::<S, false>((from, base), hh, i, (cd, sd), r) };
+            }
+            for i in (start..done).step_by(l) {
+                // SAFETY: elements i .. i + L of both halves (hh long); c, s are hh long.
+                unsafe {
+                    let (c, s) = (S::loadu(row.c.as_ptr().add(i)), S::loadu(row.s.as_ptr().add(i)));
+                    half_step::<S, K>((from, base), hh, i, c, s, r);
+                }
+            }
+        }
+    }
+    if interleaved { done / 2 } else { done }
+}
+
+/// The general kernel's commonest cases on their own (`heads_half_avx512`, `heads_half_avx2`):
+/// half-split pairs, `F32` math, a rotary half of whole vectors ([`half_fast_path`]). The same
+/// operations as [`heads_any`], so the same bits.
+///
+/// # Safety
+/// As `heads_half_avx512`, with the level's features (and AVX-512 BF16 when `CVT`).
+#[inline(always)]
+unsafe fn heads_half<S: Lanes, const K: u8, const CVT: bool>(
+    src: *const u8,
+    x: *mut u8,
+    heads: usize,
+    d: usize,
+    hh: usize,
+    row: &RopeRow<'_>,
+) {
+    let sz = size(K);
+    let step = if K == BF16 { 2 * S::L } else { S::L };
+    debug_assert!(hh.is_multiple_of(if K == BF16 { 32 } else { 16 }) && 2 * hh <= d);
+    debug_assert!(row.c.len() == hh && row.s.len() == hh && row.cd.len() == hh && row.sd.len() == hh);
+    let (c, s, cd, sd) = (row.c.as_ptr(), row.s.as_ptr(), row.cd.as_ptr(), row.sd.as_ptr());
+    for h in 0..heads {
+        let fb = (src.wrapping_add(h * d * sz), x.wrapping_add(h * d * sz));
+        let mut i = 0;
+        while i < hh {
+            // SAFETY: elements i .. i + step of both halves of head h (i + step ≤ hh, hh + hh ≤
+            // d); for bf16 the 32-pair chunk of i lies within hh (a multiple of 32); the forms
+            // are hh long each.
+            unsafe {
+                if K == BF16 {
+                    half_step_bf16_mem::<S, CVT>(fb, hh, i, (cd, sd), Round::None);
+                } else {
+                    half_step::<S, K>(fb, hh, i, S::loadu(c.add(i)), S::loadu(s.add(i)), Round::None);
+                }
+            }
+            i += step;
+        }
+    }
+}
+
+/// The token kernels' heads: `heads` heads of `64 N` dims of kind `K` from `src` into `x` in
+/// `F32` math, half-split or interleaved (`INTER`), with the forms of the `N` 32-pair chunks in
+/// registers. Out of place (the Q heads), the next head's output is prefetched where the level
+/// does.
+///
+/// # Safety
+/// The level's features (and AVX-512 BF16 when `CVT`); `src` and `x` each hold `heads · 64 N`
+/// elements of kind `K` and either are the same pointer or do not overlap.
+#[inline(always)]
+unsafe fn heads_regs<S: Lanes, const K: u8, const N: usize, const CVT: bool, const ACC: bool, const INTER: bool>(
+    src: *const u8,
+    x: *mut u8,
+    heads: usize,
+    forms: &[Forms<S::V>; N],
+    acc: &mut S::Acc,
+) {
+    let (sz, l, d) = (size(K), S::L, 64 * N);
+    let hh = d / 2;
+    let out_of_place = src != x.cast_const();
+    for h in 0..heads {
+        let (from, base) = (src.wrapping_add(h * d * sz), x.wrapping_add(h * d * sz));
+        if S::PREFETCH_OUT && out_of_place {
+            prefetch_out(base.wrapping_add(d * sz), d * sz);
+        }
+        for (b, f) in forms.iter().enumerate() {
+            // SAFETY: every step below stays within head h's 64 N elements: half-split pairs
+            // 32 b .. 32 b + 32 of both halves (32 b + 32 ≤ hh), interleaved elements 64 b ..
+            // 64 b + 64 (≤ d).
+            unsafe {
+                match (INTER, K) {
+                    (false, BF16) => {
+                        for j in 0..16 / l {
+                            let i = 32 * b + 2 * l * j;
+                            half_step_bf16::<S, CVT, ACC>((from, base), hh, i, f.d[j], Round::None, acc);
+                        }
+                    }
+                    (false, _) => {
+                        for j in 0..32 / l {
+                            half_step::<S, K>((from, base), hh, 32 * b + l * j, f.c[j], f.s[j], Round::None);
+                        }
+                    }
+                    (true, BF16) => {
+                        for j in 0..32 / l {
+                            let i = 64 * b + 2 * l * j;
+                            let (x0, x1) = S::split_bf16(from.add(i * 2), Round::None);
+                            let (y0, y1) = rot::<S>(x0, x1, f.c[j], f.s[j], Round::None);
+                            S::join_bf16::<CVT, ACC>(base.add(i * 2), y0, y1, acc);
+                        }
+                    }
+                    (true, _) => {
+                        for j in 0..64 / l {
+                            let i = 64 * b + l * j;
+                            let y = inter::<S>(S::load::<K>(from.add(i * sz)), f.f[j], f.fsw[j], Round::None);
+                            S::store::<K>(base.add(i * sz), y);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The [`Forms`] of a freqs row's `N` 32-pair chunks (chunk `b`'s 64 freqs of kind `KF` at
+/// element `64 b`), with `fsw` where `swap`. A plain loop, not `array::from_fn` or `map`: a
+/// closure here does not inherit the entry point's target features, so the level's methods
+/// inside it were calls (measured: 64 Qwen-shaped bf16 tokens 2.05 → 2.45 µs on AVX-512, Zen 5).
+///
+/// # Safety
+/// The level's features; `64 N` elements of kind `KF` at `freqs`.
+#[inline(always)]
+unsafe fn row_forms<S: Lanes, const KF: u8, const N: usize>(
+    freqs: *const u8,
+    canon: bool,
+    swap: bool,
+) -> [Forms<S::V>; N] {
+    // SAFETY: register operations of the caller's level.
+    let z = unsafe { S::zero() };
+    let mut forms = [Forms { c: [z; 4], s: [z; 4], d: [[z; 4]; 2], f: [z; 8], fsw: [z; 8] }; N];
+    for (b, f) in forms.iter_mut().enumerate() {
+        // SAFETY: chunk b's 64 freqs lie within the caller's 64 N.
+        *f = unsafe { S::forms::<KF>(freqs.add(64 * b * size(KF)), canon) };
+        if swap {
+            for j in 0..64 / S::L {
+                // SAFETY: a register operation of the caller's level.
+                f.fsw[j] = unsafe { S::swap_pairs(f.f[j]) };
+            }
+        }
+    }
+    forms
+}
+
+/// The token kernels (`token_avx512`, `token_avx2`): `tokens` consecutive tokens, each one's
+/// freqs row read once into registers, its Q heads from `q` into `out` and its K heads in place
+/// at `k` (see `token_avx512` for `CVT` and the contract).
+///
+/// # Safety
+/// As `token_avx512`, with the level's features (and AVX-512 BF16 when `CVT`).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn token<
+    S: Lanes,
+    const KQ: u8,
+    const KK: u8,
+    const KF: u8,
+    const N: usize,
+    const CVT: bool,
+    const INTER: bool,
+>(
+    freqs: *const u8,
+    (q, out, hq): (*const u8, *mut u8, usize),
+    (k, hk): (*mut u8, usize),
+    tokens: usize,
+    k_stride: usize,
+) {
+    let (fsize, qrow, krow) = (size(KF), hq * 64 * N * size(KQ), k_stride * size(KK));
+    // `fsw` (f16 and f32, interleaved) only where a kernel reads it.
+    let swap = INTER && (KQ != BF16 || KK != BF16);
+    for t in 0..tokens {
+        // SAFETY: token t's freqs, Q, output and K rows as the contract says (chunk b's 64 freqs
+        // at 64 b of the row's 64 N, b < N).
+        unsafe {
+            let (freqs, q, out, k) =
+                (freqs.add(t * 64 * N * fsize), q.add(t * qrow), out.add(t * qrow), k.add(t * krow));
+            let forms = row_forms::<S, KF, N>(freqs, !CVT, swap);
+            // The Q heads (rotated out of place, so `q` still holds their inputs) by the
+            // conversion with its ±0 words recorded in `acc`; where any came out ±0 (a flushed
+            // subnormal, or a true zero), all of the token's Q heads again by the integer join,
+            // from the canonical forms it needs. The K heads, rotated in place, check each
+            // vector. Without `CVT`, `acc` is not touched.
+            let mut acc = S::acc_new();
+            heads_regs::<S, KQ, N, CVT, true, INTER>(q, out, hq, &forms, &mut acc);
+            if CVT && S::acc_hit(acc) {
+                let forms = row_forms::<S, KF, N>(freqs, true, swap);
+                heads_regs::<S, KQ, N, false, false, INTER>(q, out, hq, &forms, &mut acc);
+            }
+            heads_regs::<S, KK, N, CVT, false, INTER>(k, k, hk, &forms, &mut acc);
+        }
+    }
+}
+
+/// The AVX-512 level's [`Lanes`]: 16 lanes; bf16 stored by [`join_bf16_with`] (the `CVT`
+/// conversion where asked); the token kernels prefetch the next Q head's output.
+struct Avx512;
+
+impl Lanes for Avx512 {
+    type V = __m512;
+    type Acc = __m512i;
+    const L: usize = 16;
+    const PREFETCH_OUT: bool = true;
+
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn zero() -> __m512 {
+        _mm512_setzero_ps()
+    }
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn loadu(p: *const f32) -> __m512 {
+        // SAFETY: the caller guarantees 16 f32 at p.
+        unsafe { _mm512_loadu_ps(p) }
+    }
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn load<const K: u8>(p: *const u8) -> __m512 {
+        // SAFETY: the caller guarantees 16 elements at p.
+        unsafe { load512::<K>(p) }
+    }
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn store<const K: u8>(p: *mut u8, v: __m512) {
+        // SAFETY: the caller guarantees room for 16 elements at p.
+        unsafe { store512::<K>(p, v) }
+    }
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn round(v: __m512, r: Round) -> __m512 {
+        round512(v, r)
+    }
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+        _mm512_mul_ps(a, b)
+    }
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn fmadd(a: __m512, b: __m512, c: __m512) -> __m512 {
+        _mm512_fmadd_ps(a, b, c)
+    }
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn neg(v: __m512) -> __m512 {
+        xor512(v, _mm512_set1_ps(-0.0))
+    }
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn neg_even(v: __m512) -> __m512 {
+        xor512(v, _mm512_castsi512_ps(_mm512_set1_epi64(0x8000_0000)))
+    }
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn dup_even(v: __m512) -> __m512 {
+        _mm512_moveldup_ps(v)
+    }
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn dup_odd(v: __m512) -> __m512 {
+        _mm512_movehdup_ps(v)
+    }
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn swap_pairs(v: __m512) -> __m512 {
+        _mm512_permute_ps::<0b10_11_00_01>(v)
+    }
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn split_bf16(p: *const u8, r: Round) -> (__m512, __m512) {
+        // SAFETY: the caller guarantees 64 bytes at p.
+        unsafe { split_bf16(p, r) }
+    }
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn join_bf16<const CVT: bool, const ACC: bool>(p: *mut u8, e: __m512, o: __m512, acc: &mut __m512i) {
+        // SAFETY: the caller's contract is `join_bf16_with`'s.
+        unsafe { join_bf16_with::<CVT, ACC>(p, e, o, acc) }
+    }
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn acc_new() -> __m512i {
+        _mm512_set1_epi16(-1)
+    }
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn acc_hit(acc: __m512i) -> bool {
+        _mm512_testn_epi16_mask(acc, acc) != 0
+    }
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn forms<const KF: u8>(p: *const u8, canon: bool) -> Forms<__m512> {
+        // SAFETY: the caller guarantees 64 elements of kind KF at p.
+        unsafe { chunk_forms::<KF>(p, canon) }
+    }
+}
+
+/// The AVX2 level's [`Lanes`]: 8 lanes; bf16 stored by [`join_bf16_256`] (no conversion, nothing
+/// recorded); no output prefetch (measured no gain: see [`prefetch_out`]).
+struct Avx2;
+
+impl Lanes for Avx2 {
+    type V = __m256;
+    type Acc = ();
+    const L: usize = 8;
+    const PREFETCH_OUT: bool = false;
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn zero() -> __m256 {
+        _mm256_setzero_ps()
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn loadu(p: *const f32) -> __m256 {
+        // SAFETY: the caller guarantees 8 f32 at p.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn load<const K: u8>(p: *const u8) -> __m256 {
+        // SAFETY: the caller guarantees 8 elements at p.
+        unsafe { load256::<K>(p) }
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn store<const K: u8>(p: *mut u8, v: __m256) {
+        // SAFETY: the caller guarantees room for 8 elements at p.
+        unsafe { store256::<K>(p, v) }
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn round(v: __m256, r: Round) -> __m256 {
+        round256(v, r)
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+        _mm256_mul_ps(a, b)
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn fmadd(a: __m256, b: __m256, c: __m256) -> __m256 {
+        _mm256_fmadd_ps(a, b, c)
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn neg(v: __m256) -> __m256 {
+        _mm256_xor_ps(v, _mm256_set1_ps(-0.0))
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn neg_even(v: __m256) -> __m256 {
+        _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_set1_epi64x(0x8000_0000)))
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn dup_even(v: __m256) -> __m256 {
+        _mm256_moveldup_ps(v)
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn dup_odd(v: __m256) -> __m256 {
+        _mm256_movehdup_ps(v)
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn swap_pairs(v: __m256) -> __m256 {
+        _mm256_permute_ps::<0b10_11_00_01>(v)
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn split_bf16(p: *const u8, r: Round) -> (__m256, __m256) {
+        // SAFETY: the caller guarantees 32 bytes at p.
+        unsafe { split_bf16_256(p, r) }
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn join_bf16<const CVT: bool, const ACC: bool>(p: *mut u8, e: __m256, o: __m256, _acc: &mut ()) {
+        // SAFETY: the caller guarantees 32 bytes at p and NaNs as `join_bf16_256` needs.
+        unsafe { join_bf16_256(p, e, o) }
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn acc_new() {}
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn acc_hit(_acc: ()) -> bool {
+        false
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn forms<const KF: u8>(p: *const u8, canon: bool) -> Forms<__m256> {
+        // SAFETY: the caller guarantees 64 elements of kind KF at p.
+        unsafe { chunk_forms_256::<KF>(p, canon) }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The entry points: each level's instance of a kernel above.
+
+/// [`heads_avx512`]'s commonest cases on their own: half-split pairs, `F32` math (no rounding
+/// between operations), a rotary half of whole vectors (32 pairs for bf16, 16 for f16 and f32).
+/// The general kernel decides its pairing and rounding at run time and keeps a dozen values per
+/// head on the stack; with Qwen's 64-dim heads (one step per head) that bookkeeping cost about as
+/// much as the rotation (measured: 512 Qwen-shaped bf16 tokens 10 % faster, one core, Xeon). The
+/// same operations as the general kernel, so the same bits. [`half_fast_path`] says when it applies
+/// (the dispatch calls it directly, before the general kernel's prologue). `CVT`: bf16 heads
+/// stored by [`join_bf16_cvt`] (the same bits as [`join_bf16`]).
+///
+/// # Safety
+/// AVX-512 F and BW (and BF16 when `CVT`) must be available; `src` and `x` each hold `heads · d` elements of kind `K`
+/// and either are the same pointer or do not overlap; `2 · hh ≤ d`, `hh` a multiple of 32 (bf16)
+/// or 16; `row` holds the half-split forms of `hh` pairs (`c`, `s`, `cd`, `sd`).
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(crate) unsafe fn heads_half_avx512<const K: u8, const CVT: bool>(
+    src: *const u8,
+    x: *mut u8,
+    heads: usize,
+    d: usize,
+    hh: usize,
+    row: &RopeRow<'_>,
+) {
+    // SAFETY: the caller's contract is `heads_half`'s, on this level.
+    unsafe { heads_half::<Avx512, K, CVT>(src, x, heads, d, hh, row) }
+}
+
+/// [`heads_half_avx512`] on AVX2: half-split pairs in `F32` math over a rotary half of whole
+/// 32-pair chunks (bf16) or 16-pair vectors ([`half_fast_path`]), without [`heads_avx2`]'s run-time
+/// pairing and rounding branches and index arithmetic in the loop. The same operations, so the
+/// same bits. Zen 3, one core, medians of three alternating runs of a driver: 512 Qwen-shaped
+/// bf16 tokens 210–240 → 147–171 µs, 8 Llama-shaped tokens (in L1) 11.5–12.3 → 9.1–9.6 µs.
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; otherwise as [`heads_half_avx512`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn heads_half_avx2<const K: u8>(
+    src: *const u8,
+    x: *mut u8,
+    heads: usize,
+    d: usize,
+    hh: usize,
+    row: &RopeRow<'_>,
+) {
+    // SAFETY: the caller's contract is `heads_half`'s, on this level.
+    unsafe { heads_half::<Avx2, K, false>(src, x, heads, d, hh, row) }
+}
+
 /// One token of the standalone RoPE in its commonest form (half-split, `F32` math, whole heads of
 /// `2 · 32 N` dims for Q and K): the freqs row of kind `KF` read once into registers, the Q heads
 /// (kind `KQ`) from `q` into `out`, the K heads (kind `KK`) in place at `k`. The same operations
@@ -855,7 +1396,7 @@ fn prefetch_out(p: *mut u8, bytes: usize) {
 /// the forms' round trip through memory and the per-token buffer (measured: see
 /// `crate::simd::rope::HalfRows`).
 ///
-/// `INTER`: interleaved pairs instead ([`heads_inter_regs`]: the same operations as
+/// `INTER`: interleaved pairs instead ([`heads_regs`]' interleaved steps: the same operations as
 /// [`RopeRow::fill`] followed by [`heads_avx512`], interleaved, `F32`). `CVT`: bf16 heads stored
 /// by [`join_bf16_cvt`] (the same bits as [`join_bf16`]), and the freqs' NaNs left as they are
 /// rather than made the default NaN: the conversion keeps any NaN a NaN, and its fallback
@@ -896,546 +1437,8 @@ pub(crate) unsafe fn token_avx512<
     tokens: usize,
     k_stride: usize,
 ) {
-    let size = |kind: u8| if kind == F32 { 4 } else { 2 };
-    let (fsize, qrow, krow) = (size(KF), hq * 64 * N * size(KQ), k_stride * size(KK));
-    for t in 0..tokens {
-        // SAFETY: token t's freqs, Q, output and K rows as the contract says (chunk b's 64 freqs
-        // at 64 b of the row's 64 N, b < N).
-        unsafe {
-            let (freqs, q, out, k) =
-                (freqs.add(t * 64 * N * fsize), q.add(t * qrow), out.add(t * qrow), k.add(t * krow));
-            let forms: [ChunkForms; N] = std::array::from_fn(|b| chunk_forms::<KF>(freqs.add(64 * b * fsize), !CVT));
-            // The Q heads (rotated out of place, so `q` still holds their inputs) by the
-            // conversion with its ±0 words gathered in `acc`; where any came out ±0 (a flushed
-            // subnormal, or a true zero), all of the token's Q heads again by the integer join,
-            // from the canonical forms it needs. The K heads, rotated in place, check each
-            // vector (`join_bf16_cvt`). Without `CVT`, `acc` is not touched.
-            let mut acc = _mm512_set1_epi16(-1);
-            heads_regs::<KQ, N, CVT, true, INTER>(q, out, hq, &forms, &mut acc);
-            if CVT && _mm512_testn_epi16_mask(acc, acc) != 0 {
-                let forms: [ChunkForms; N] =
-                    std::array::from_fn(|b| chunk_forms::<KF>(freqs.add(64 * b * fsize), true));
-                heads_regs::<KQ, N, false, false, INTER>(q, out, hq, &forms, &mut acc);
-            }
-            heads_regs::<KK, N, CVT, false, INTER>(k, k, hk, &forms, &mut acc);
-        }
-    }
-}
-
-/// [`heads_inter_regs`] for interleaved pairs (`INTER`), else [`heads_half_regs`].
-///
-/// # Safety
-/// As the chosen function.
-#[target_feature(enable = "avx512f,avx512bw")]
-#[inline]
-unsafe fn heads_regs<const K: u8, const N: usize, const CVT: bool, const ACC: bool, const INTER: bool>(
-    src: *const u8,
-    x: *mut u8,
-    heads: usize,
-    forms: &[ChunkForms; N],
-    acc: &mut __m512i,
-) {
-    // SAFETY: the caller's contract is the chosen function's.
-    unsafe {
-        match INTER {
-            true => heads_inter_regs::<K, N, CVT, ACC>(src, x, heads, forms, acc),
-            false => heads_half_regs::<K, N, CVT, ACC>(src, x, heads, forms, acc),
-        }
-    }
-}
-
-/// [`heads_inter_regs`]' step for bf16: 32 elements (16 interleaved pairs) at element `i` of a
-/// head from `from` into `base`, with the `c`, `s` of those pairs — [`heads_avx512`]'s
-/// interleaved bf16 step in `F32` math, so the same bits.
-///
-/// # Safety
-/// AVX-512 F and BW (and BF16 when `CVT`) must be available; 64 bytes readable at `from + 2i`
-/// and writable at `base + 2i` (the same or non-overlapping).
-#[target_feature(enable = "avx512f,avx512bw")]
-#[inline]
-unsafe fn inter_step_bf16<const CVT: bool, const ACC: bool>(
-    from: *const u8,
-    base: *mut u8,
-    i: usize,
-    c: __m512,
-    s: __m512,
-    acc: &mut __m512i,
-) {
-    // SAFETY: the caller's contract covers both addresses.
-    unsafe {
-        let (x0, x1) = split_bf16(from.add(i * 2), Round::None);
-        let (y0, y1) = rot512(x0, x1, c, s, Round::None);
-        join_bf16_with::<CVT, ACC>(base.add(i * 2), y0, y1, acc);
-    }
-}
-
-/// [`heads_inter_regs`]' step for f16 and f32: 16 elements (8 interleaved pairs) of kind `K` at
-/// element `i`, with the `f` and `fsw` forms of those pairs — [`heads_avx512`]'s interleaved
-/// step in `F32` math, so the same bits.
-///
-/// # Safety
-/// AVX-512 F and BW must be available; 16 elements readable at `from` and writable at `base`
-/// from element `i` (the same or non-overlapping).
-#[target_feature(enable = "avx512f,avx512bw")]
-#[inline]
-unsafe fn inter_step<const K: u8>(from: *const u8, base: *mut u8, i: usize, f: __m512, fsw: __m512) {
-    let size = if K == F32 { 4 } else { 2 };
-    let sign = _mm512_castsi512_ps(_mm512_set1_epi64(0x8000_0000));
-    // SAFETY: the caller's contract covers both addresses.
-    unsafe {
-        let v = load512::<K>(from.add(i * size));
-        let (x0, x1) = (_mm512_moveldup_ps(v), _mm512_movehdup_ps(v));
-        let t = xor512(_mm512_mul_ps(x1, fsw), sign); // −t in the even lanes (exact)
-        store512::<K>(base.add(i * size), _mm512_fmadd_ps(x0, f, t));
-    }
-}
-
-/// [`heads_avx512`] for interleaved pairs in `F32` math over whole heads of `64 N` dims, with the
-/// forms of the `N` 32-pair chunks in registers.
-///
-/// # Safety
-/// AVX-512 F and BW (and BF16 when `CVT`) must be available; `src` and `x` each hold
-/// `heads · 64 N` elements of kind `K` and either are the same pointer or do not overlap.
-#[target_feature(enable = "avx512f,avx512bw")]
-#[inline]
-unsafe fn heads_inter_regs<const K: u8, const N: usize, const CVT: bool, const ACC: bool>(
-    src: *const u8,
-    x: *mut u8,
-    heads: usize,
-    forms: &[ChunkForms; N],
-    acc: &mut __m512i,
-) {
-    let (size, d) = (if K == F32 { 4 } else { 2 }, 64 * N);
-    // `fsw` (f16 and f32): each (c, s) pair of `f` swapped, exactly. A plain loop: through
-    // `array::map` and a closure the permutes were calls (a third of the call's samples).
-    let mut fsw = [[_mm512_setzero_ps(); 4]; N];
-    if K != BF16 {
-        for (w, f) in fsw.iter_mut().zip(forms) {
-            for j in 0..4 {
-                w[j] = _mm512_permute_ps::<0b10_11_00_01>(f.f[j]);
-            }
-        }
-    }
-    // As in `heads_half_regs`.
-    let out_of_place = src != x.cast_const();
-    for h in 0..heads {
-        let (from, base) = (src.wrapping_add(h * d * size), x.wrapping_add(h * d * size));
-        if out_of_place {
-            prefetch_out(base.wrapping_add(d * size), d * size);
-        }
-        for (b, f) in forms.iter().enumerate() {
-            let i = 64 * b;
-            // SAFETY: elements i .. i + 64 of head h (i + 64 ≤ 64 N = d).
-            unsafe {
-                if K == BF16 {
-                    inter_step_bf16::<CVT, ACC>(from, base, i, f.c[0], f.s[0], acc);
-                    inter_step_bf16::<CVT, ACC>(from, base, i + 32, f.c[1], f.s[1], acc);
-                } else {
-                    for j in 0..4 {
-                        inter_step::<K>(from, base, i + 16 * j, f.f[j], fsw[b][j]);
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// Rotates the rotary region of `heads` heads of `d` elements of kind `K` from `src` into `x`
-/// (`src == x`: in place; the other dims of `x` are not touched). Returns the number of pairs per
-/// head left to the caller (a tail shorter than a vector).
-///
-/// # Safety
-/// AVX-512 F and BW must be available; `src` and `x` each hold `heads · d` elements of kind `K` (2 bytes
-/// for bf16 and f16, 4 for f32) and either are the same pointer or do not overlap; `row` holds the
-/// forms of `rd` rotary dims for the pairing (`rd` even, ≤ `d`).
-#[target_feature(enable = "avx512f,avx512bw")]
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn heads_avx512<const K: u8>(
-    src: *const u8,
-    x: *mut u8,
-    heads: usize,
-    d: usize,
-    rd: usize,
-    row: &RopeRow<'_>,
-    interleaved: bool,
-    r: Round,
-) -> usize {
-    let size = if K == F32 { 4 } else { 2 };
-    let at = if interleaved { d - rd } else { 0 };
-    let hh = rd / 2;
-    let sign = _mm512_castsi512_ps(_mm512_set1_epi64(0x8000_0000));
-    let done = if interleaved { rd / 16 * 16 } else { hh / 16 * 16 };
-    // bf16: 32 elements per step split into even / odd lanes by a shift and a mask, and stored by
-    // `join_bf16`: no widening or narrowing instruction (those were port-5 bound).
-    let start = match K {
-        BF16 if interleaved => rd / 32 * 32,
-        BF16 => hh / 32 * 32,
-        _ => 0,
-    };
-    // One pass over the heads, the pairing decided outside it (a head of Qwen's 64 dims is a
-    // single step: per-head overhead counts).
-    for h in 0..heads {
-        let (base, from) = (x.wrapping_add((h * d + at) * size), src.wrapping_add((h * d + at) * size));
-        if interleaved {
-            for i in (0..start).step_by(32) {
-                // SAFETY: elements i .. i + 32 of the region (rd long), pairs i/2 .. i/2 + 16 of
-                // c and s (rd/2 long).
-                unsafe {
-                    let (x0, x1) = split_bf16(from.add(i * 2), r);
-                    let c = _mm512_loadu_ps(row.c.as_ptr().add(i / 2));
-                    let s = _mm512_loadu_ps(row.s.as_ptr().add(i / 2));
-                    let (y0, y1) = rot512(x0, x1, c, s, r);
-                    join_bf16(base.add(i * 2), y0, y1);
-                }
-            }
-            for i in (start..done).step_by(16) {
-                // SAFETY: elements i .. i + 16 of the region; f and fsw are rd long.
-                unsafe {
-                    let v = round512(load512::<K>(from.add(i * size)), r);
-                    let (x0, x1) = (_mm512_moveldup_ps(v), _mm512_movehdup_ps(v));
-                    let t = round512(_mm512_mul_ps(x1, _mm512_loadu_ps(row.fsw.as_ptr().add(i))), r);
-                    let t = xor512(t, sign);
-                    let y = round512(_mm512_fmadd_ps(x0, _mm512_loadu_ps(row.f.as_ptr().add(i)), t), r);
-                    store512::<K>(base.add(i * size), y);
-                }
-            }
-        } else {
-            for i in (0..start).step_by(32) {
-                // SAFETY: elements i .. i + 32 of both halves (hh long, i + 32 ≤ start ≤ hh) and
-                // of cd, sd (hh long).
-                unsafe { half_step_bf16::<false>(from, base, hh, i, row.cd.as_ptr(), row.sd.as_ptr(), r) };
-            }
-            for i in (start..done).step_by(16) {
-                // SAFETY: elements i .. i + 16 of both halves (hh long); c, s are hh long.
-                unsafe { half_step::<K>(from, base, hh, i, row.c.as_ptr(), row.s.as_ptr(), r) };
-            }
-        }
-    }
-    if interleaved { done / 2 } else { done }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Whole heads on AVX2 (8 lanes): the same structure and operations as `heads_avx512`.
-
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn load256<const K: u8>(p: *const u8) -> __m256 {
-    // SAFETY: the caller guarantees 8 elements at p.
-    unsafe {
-        match K {
-            BF16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())))),
-            F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
-            _ => _mm256_loadu_ps(p.cast()),
-        }
-    }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn store256<const K: u8>(p: *mut u8, v: __m256) {
-    // SAFETY: the caller guarantees room for 8 elements at p.
-    unsafe {
-        match K {
-            BF16 => {
-                let b = _mm256_srli_epi32::<16>(_mm256_castps_si256(round256(v, Round::Bf16)));
-                let h = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256::<1>(b));
-                _mm_storeu_si128(p.cast(), h);
-            }
-            F16 => _mm_storeu_si128(p.cast(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)),
-            _ => _mm256_storeu_ps(p.cast(), v),
-        }
-    }
-}
-
-/// [`rot512`] on 8 lanes.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn rot256(x0: __m256, x1: __m256, c: __m256, s: __m256, r: Round) -> (__m256, __m256) {
-    let t1 = round256(_mm256_mul_ps(x1, s), r);
-    let y0 = round256(_mm256_fmadd_ps(x0, c, _mm256_xor_ps(t1, _mm256_set1_ps(-0.0))), r);
-    let t2 = round256(_mm256_mul_ps(x1, c), r);
-    let y1 = round256(_mm256_fmadd_ps(x0, s, t2), r);
-    (y0, y1)
-}
-
-/// [`split_bf16`] for 16 bf16 at `p`.
-///
-/// # Safety
-/// AVX2 must be available; 32 readable bytes at `p`.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn split_bf16_256(p: *const u8, r: Round) -> (__m256, __m256) {
-    // SAFETY: the caller guarantees 32 bytes at p.
-    let v = unsafe { _mm256_loadu_si256(p.cast()) };
-    let e = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v));
-    let o = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF_0000u32 as i32)));
-    (round256(e, r), round256(o, r))
-}
-
-/// [`join_bf16`] for 16 bf16 at `p`, without mask registers: the words are put in place by
-/// `vpblendw`, the unsigned `t > 0x8000` is the signed `t ^ 0x8000 > 0`, and the round-up adds
-/// the compare's all-ones (−1) by a subtraction. The same preconditions on NaNs.
-///
-/// # Safety
-/// AVX2 must be available; 32 writable bytes at `p`; NaNs in `e`, `o` as for [`join_bf16`].
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn join_bf16_256(p: *mut u8, e: __m256, o: __m256) {
-    let (e, o) = (_mm256_castps_si256(e), _mm256_castps_si256(o));
-    let hi = _mm256_blend_epi16::<0xAA>(_mm256_srli_epi32::<16>(e), o);
-    let lo = _mm256_blend_epi16::<0xAA>(e, _mm256_slli_epi32::<16>(o));
-    let t = _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi16(1)));
-    let sign = _mm256_set1_epi16(0x8000u16 as i16);
-    let up = _mm256_cmpgt_epi16(_mm256_xor_si256(t, sign), _mm256_setzero_si256());
-    // SAFETY: the caller guarantees 32 bytes at p.
-    unsafe { _mm256_storeu_si256(p.cast(), _mm256_sub_epi16(hi, up)) }
-}
-
-/// [`half_step_bf16`] on AVX2: 16 bf16 pairs at pair `i`, whose even and odd pairs are read from
-/// the de-interleaved forms at `i / 32 · 32 + i % 32 / 2` and 16 further (the layout is per 32
-/// pairs).
-///
-/// # Safety
-/// AVX2, FMA and F16C must be available; `i + 16 ≤ hh` and the 32-pair chunk of `i` lies within
-/// `hh` (`cd`, `sd` hold `hh` values); both halves readable at `from` and writable at `base` (the
-/// same head or non-overlapping).
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn half_step_bf16_256(
-    from: *const u8,
-    base: *mut u8,
-    hh: usize,
-    i: usize,
-    cd: *const f32,
-    sd: *const f32,
-    r: Round,
-) {
-    let (ev, od) = (i / 32 * 32 + i % 32 / 2, i / 32 * 32 + 16 + i % 32 / 2);
-    // SAFETY: the caller's contract covers every address below (ev + 8 ≤ od + 8 ≤ hh).
-    unsafe {
-        let (ce, co) = (_mm256_loadu_ps(cd.add(ev)), _mm256_loadu_ps(cd.add(od)));
-        let (se, so) = (_mm256_loadu_ps(sd.add(ev)), _mm256_loadu_ps(sd.add(od)));
-        half_step_bf16_256_regs(from, base, hh, i, [ce, co, se, so], r);
-    }
-}
-
-/// [`half_step_bf16_256`] with the forms in registers: `[ce, co, se, so]`, the even and odd
-/// pairs' `cd` and `sd` values of pairs `i .. i + 16`.
-///
-/// # Safety
-/// As [`half_step_bf16_256`], without the forms' memory.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn half_step_bf16_256_regs(from: *const u8, base: *mut u8, hh: usize, i: usize, f: [__m256; 4], r: Round) {
-    let [ce, co, se, so] = f;
-    // SAFETY: the caller's contract covers every address below.
-    unsafe {
-        let (x0e, x0o) = split_bf16_256(from.add(i * 2), r);
-        let (x1e, x1o) = split_bf16_256(from.add((hh + i) * 2), r);
-        let (y0e, y1e) = rot256(x0e, x1e, ce, se, r);
-        let (y0o, y1o) = rot256(x0o, x1o, co, so, r);
-        join_bf16_256(base.add(i * 2), y0e, y0o);
-        join_bf16_256(base.add((hh + i) * 2), y1e, y1o);
-    }
-}
-
-/// [`half_step`] on AVX2: 8 pairs of kind `K` at pair `i`, with the forms `c`, `s`.
-///
-/// # Safety
-/// AVX2, FMA and F16C must be available; `i + 8 ≤ hh`; `c`, `s` hold `hh` values; both halves
-/// readable at `from` and writable at `base` (the same head or non-overlapping).
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn half_step_256<const K: u8>(
-    from: *const u8,
-    base: *mut u8,
-    hh: usize,
-    i: usize,
-    c: *const f32,
-    s: *const f32,
-    r: Round,
-) {
-    // SAFETY: the caller's contract covers every address below.
-    unsafe { half_step_256_regs::<K>(from, base, hh, i, _mm256_loadu_ps(c.add(i)), _mm256_loadu_ps(s.add(i)), r) }
-}
-
-/// [`half_step_256`] with the forms `c`, `s` of pairs `i .. i + 8` in registers.
-///
-/// # Safety
-/// As [`half_step_256`], without the forms' memory.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn half_step_256_regs<const K: u8>(
-    from: *const u8,
-    base: *mut u8,
-    hh: usize,
-    i: usize,
-    c: __m256,
-    s: __m256,
-    r: Round,
-) {
-    let size = if K == F32 { 4 } else { 2 };
-    // SAFETY: the caller's contract covers every address below.
-    unsafe {
-        let x0 = round256(load256::<K>(from.add(i * size)), r);
-        let x1 = round256(load256::<K>(from.add((hh + i) * size)), r);
-        let (y0, y1) = rot256(x0, x1, c, s, r);
-        store256::<K>(base.add(i * size), y0);
-        store256::<K>(base.add((hh + i) * size), y1);
-    }
-}
-
-/// [`heads_half_avx512`] on AVX2: half-split pairs in `F32` math over a rotary half of whole
-/// 32-pair chunks (bf16) or 16-pair vectors ([`half_fast_path`]), without [`heads_avx2`]'s run-time
-/// pairing and rounding branches and index arithmetic in the loop. The same operations, so the
-/// same bits. Zen 3, one core, medians of three alternating runs of a driver: 512 Qwen-shaped
-/// bf16 tokens 210–240 → 147–171 µs, 8 Llama-shaped tokens (in L1) 11.5–12.3 → 9.1–9.6 µs.
-///
-/// # Safety
-/// AVX2, FMA and F16C must be available; otherwise as [`heads_half_avx512`].
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn heads_half_avx2<const K: u8>(
-    src: *const u8,
-    x: *mut u8,
-    heads: usize,
-    d: usize,
-    hh: usize,
-    row: &RopeRow<'_>,
-) {
-    let size = if K == F32 { 4 } else { 2 };
-    let step = if K == BF16 { 16 } else { 8 };
-    debug_assert!(hh.is_multiple_of(if K == BF16 { 32 } else { 16 }) && 2 * hh <= d);
-    debug_assert!(row.c.len() == hh && row.s.len() == hh && row.cd.len() == hh && row.sd.len() == hh);
-    let (c, s, cd, sd) = (row.c.as_ptr(), row.s.as_ptr(), row.cd.as_ptr(), row.sd.as_ptr());
-    for h in 0..heads {
-        let (from, base) = (src.wrapping_add(h * d * size), x.wrapping_add(h * d * size));
-        let mut i = 0;
-        while i < hh {
-            // SAFETY: elements i .. i + step of both halves of head h (i + step ≤ hh, hh + hh ≤
-            // d); for bf16 the 32-pair chunk of i lies within hh (hh a multiple of 32), and the
-            // forms are hh long each.
-            unsafe {
-                if K == BF16 {
-                    half_step_bf16_256(from, base, hh, i, cd, sd, Round::None);
-                } else {
-                    half_step_256::<K>(from, base, hh, i, c, s, Round::None);
-                }
-            }
-            i += step;
-        }
-    }
-}
-
-/// [`ChunkForms`] on AVX2 (8 lanes): the forms of one 32-pair chunk of a freqs row.
-#[derive(Clone, Copy)]
-struct ChunkForms256 {
-    /// `c`, `s` of pairs `8 j .. 8 j + 8`.
-    c: [__m256; 4],
-    s: [__m256; 4],
-    /// The chunk's `cd`, `sd` ([`fill_half_avx2`]'s layout), 8 values each.
-    cd: [__m256; 4],
-    sd: [__m256; 4],
-    /// The 64 freqs (`c0, s0, c1, s1, …`): the interleaved `f` form.
-    f: [__m256; 8],
-}
-
-/// [`ChunkForms256`] of the 64 freqs of kind `KF` at `p`: widened exactly, NaN made the default
-/// NaN, de-interleaved as [`fill_half_avx2`] does (the same values).
-///
-/// # Safety
-/// AVX2, FMA and F16C must be available; 64 readable elements of kind `KF` at `p`.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn chunk_forms_256<const KF: u8>(p: *const u8) -> ChunkForms256 {
-    let size = if KF == F32 { 4 } else { 2 };
-    let canon = default_nan256;
-    // The even and the odd elements of the 16 values a, b, in order.
-    let split = |a: __m256, b: __m256| {
-        let e = _mm256_castpd_ps(_mm256_permute4x64_pd::<0xD8>(_mm256_castps_pd(_mm256_shuffle_ps::<0x88>(a, b))));
-        let o = _mm256_castpd_ps(_mm256_permute4x64_pd::<0xD8>(_mm256_castps_pd(_mm256_shuffle_ps::<0xDD>(a, b))));
-        (e, o)
-    };
-    let zero = _mm256_setzero_ps();
-    let mut k = ChunkForms256 { c: [zero; 4], s: [zero; 4], cd: [zero; 4], sd: [zero; 4], f: [zero; 8] };
-    for i in 0..8 {
-        // SAFETY: elements 8i .. 8i + 8 of the 64 at p.
-        k.f[i] = canon(unsafe { load256::<KF>(p.add(8 * i * size)) });
-    }
-    for j in 0..4 {
-        (k.c[j], k.s[j]) = split(k.f[2 * j], k.f[2 * j + 1]);
-    }
-    for (v, out) in [(k.c, &mut k.cd), (k.s, &mut k.sd)] {
-        let (e0, o0) = split(v[0], v[1]);
-        let (e1, o1) = split(v[2], v[3]);
-        *out = [e0, e1, o0, o1];
-    }
-    k
-}
-
-/// The AVX2 token kernels' heads: `heads` heads of `64 N` dims of kind `K` from `src` into `x`
-/// in `F32` math, half-split ([`heads_half_avx2`]'s steps) or interleaved ([`heads_avx2`]'s
-/// interleaved steps), with the chunks' forms in registers (or the stack: AVX2 has 16).
-///
-/// # Safety
-/// AVX2, FMA and F16C must be available; `src` and `x` each hold `heads · 64 N` elements of kind
-/// `K` and either are the same pointer or do not overlap.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn heads_regs_256<const K: u8, const N: usize, const INTER: bool>(
-    src: *const u8,
-    x: *mut u8,
-    heads: usize,
-    forms: &[ChunkForms256; N],
-) {
-    let (size, hh) = (if K == F32 { 4 } else { 2 }, 32 * N);
-    let sign = _mm256_castsi256_ps(_mm256_set1_epi64x(0x8000_0000));
-    for h in 0..heads {
-        let (from, base) = (src.wrapping_add(2 * h * hh * size), x.wrapping_add(2 * h * hh * size));
-        for (b, f) in forms.iter().enumerate() {
-            // SAFETY: every step below stays within head h's 64 N elements: half-split pairs
-            // 32 b .. 32 b + 32 of both halves (32 b + 32 ≤ hh), interleaved elements 64 b ..
-            // 64 b + 64 (≤ 2 hh).
-            unsafe {
-                match (INTER, K) {
-                    (false, BF16) => {
-                        let i = 32 * b;
-                        half_step_bf16_256_regs(from, base, hh, i, [f.cd[0], f.cd[2], f.sd[0], f.sd[2]], Round::None);
-                        half_step_bf16_256_regs(
-                            from,
-                            base,
-                            hh,
-                            i + 16,
-                            [f.cd[1], f.cd[3], f.sd[1], f.sd[3]],
-                            Round::None,
-                        );
-                    }
-                    (false, _) => {
-                        for j in 0..4 {
-                            half_step_256_regs::<K>(from, base, hh, 32 * b + 8 * j, f.c[j], f.s[j], Round::None);
-                        }
-                    }
-                    (true, BF16) => {
-                        for j in 0..4 {
-                            let i = 64 * b + 16 * j;
-                            let (x0, x1) = split_bf16_256(from.add(i * 2), Round::None);
-                            let (y0, y1) = rot256(x0, x1, f.c[j], f.s[j], Round::None);
-                            join_bf16_256(base.add(i * 2), y0, y1);
-                        }
-                    }
-                    (true, _) => {
-                        for j in 0..8 {
-                            let i = 64 * b + 8 * j;
-                            let v = load256::<K>(from.add(i * size));
-                            let (x0, x1) = (_mm256_moveldup_ps(v), _mm256_movehdup_ps(v));
-                            let fsw = _mm256_permute_ps::<0b10_11_00_01>(f.f[j]); // (s, c) pairs, exact
-                            let t = _mm256_xor_ps(_mm256_mul_ps(x1, fsw), sign);
-                            store256::<K>(base.add(i * size), _mm256_fmadd_ps(x0, f.f[j], t));
-                        }
-                    }
-                }
-            }
-        }
-    }
+    // SAFETY: the caller's contract is `token`'s, on this level.
+    unsafe { token::<Avx512, KQ, KK, KF, N, CVT, INTER>(freqs, (q, out, hq), (k, hk), tokens, k_stride) }
 }
 
 /// [`token_avx512`] (`INTER` false) and [`token_avx512`] (`INTER` true) on AVX2: one
@@ -1459,23 +1462,32 @@ pub(crate) unsafe fn token_avx2<const KQ: u8, const KK: u8, const KF: u8, const 
     tokens: usize,
     k_stride: usize,
 ) {
-    let size = |kind: u8| if kind == F32 { 4 } else { 2 };
-    let (fsize, qrow, krow) = (size(KF), hq * 64 * N * size(KQ), k_stride * size(KK));
-    let zero = _mm256_setzero_ps();
-    let mut forms = [ChunkForms256 { c: [zero; 4], s: [zero; 4], cd: [zero; 4], sd: [zero; 4], f: [zero; 8] }; N];
-    for t in 0..tokens {
-        let freqs = freqs.wrapping_add(t * 64 * N * fsize);
-        for (b, f) in forms.iter_mut().enumerate() {
-            // SAFETY: token t's chunk b: its 64 freqs lie at 64 b (b < N) of its row's 64 N.
-            *f = unsafe { chunk_forms_256::<KF>(freqs.add(64 * b * fsize)) };
-        }
-        // SAFETY: token t's heads as the contract says.
-        unsafe {
-            let (q, out, k) = (q.add(t * qrow), out.add(t * qrow), k.add(t * krow));
-            heads_regs_256::<KQ, N, INTER>(q, out, hq, &forms);
-            heads_regs_256::<KK, N, INTER>(k, k, hk, &forms);
-        }
-    }
+    // SAFETY: the caller's contract is `token`'s, on this level.
+    unsafe { token::<Avx2, KQ, KK, KF, N, false, INTER>(freqs, (q, out, hq), (k, hk), tokens, k_stride) }
+}
+
+/// Rotates the rotary region of `heads` heads of `d` elements of kind `K` from `src` into `x`
+/// (`src == x`: in place; the other dims of `x` are not touched). Returns the number of pairs per
+/// head left to the caller (a tail shorter than a vector).
+///
+/// # Safety
+/// AVX-512 F and BW must be available; `src` and `x` each hold `heads · d` elements of kind `K` (2 bytes
+/// for bf16 and f16, 4 for f32) and either are the same pointer or do not overlap; `row` holds the
+/// forms of `rd` rotary dims for the pairing (`rd` even, ≤ `d`).
+#[target_feature(enable = "avx512f,avx512bw")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn heads_avx512<const K: u8>(
+    src: *const u8,
+    x: *mut u8,
+    heads: usize,
+    d: usize,
+    rd: usize,
+    row: &RopeRow<'_>,
+    interleaved: bool,
+    r: Round,
+) -> usize {
+    // SAFETY: the caller's contract is `heads_any`'s, on this level.
+    unsafe { heads_any::<Avx512, K>(src, x, heads, d, rd, row, interleaved, r) }
 }
 
 /// [`heads_avx512`] on AVX2: the same contract, arithmetic and return value.
@@ -1494,54 +1506,6 @@ pub(crate) unsafe fn heads_avx2<const K: u8>(
     interleaved: bool,
     r: Round,
 ) -> usize {
-    let size = if K == F32 { 4 } else { 2 };
-    let at = if interleaved { d - rd } else { 0 };
-    let hh = rd / 2;
-    let sign = _mm256_castsi256_ps(_mm256_set1_epi64x(0x8000_0000));
-    let done = if interleaved { rd / 8 * 8 } else { hh / 8 * 8 };
-    // bf16: 16 elements per step split into even / odd lanes. Half-split steps read `cd`, `sd`,
-    // whose de-interleaving is per 32 pairs: a step at i (16 pairs) reads its even pairs at
-    // `b + i % 32 / 2` and its odd ones 16 further, b = i rounded down to 32.
-    let start = match K {
-        BF16 if interleaved => rd / 16 * 16,
-        BF16 => hh / 32 * 32,
-        _ => 0,
-    };
-    for h in 0..heads {
-        let (base, from) = (x.wrapping_add((h * d + at) * size), src.wrapping_add((h * d + at) * size));
-        if interleaved {
-            for i in (0..start).step_by(16) {
-                // SAFETY: elements i .. i + 16 of the region (rd long); pairs i/2 .. i/2 + 8 of c, s.
-                unsafe {
-                    let (x0, x1) = split_bf16_256(from.add(i * 2), r);
-                    let c = _mm256_loadu_ps(row.c.as_ptr().add(i / 2));
-                    let s = _mm256_loadu_ps(row.s.as_ptr().add(i / 2));
-                    let (y0, y1) = rot256(x0, x1, c, s, r);
-                    join_bf16_256(base.add(i * 2), y0, y1);
-                }
-            }
-            for i in (start..done).step_by(8) {
-                // SAFETY: elements i .. i + 8 of the region; f and fsw are rd long.
-                unsafe {
-                    let v = round256(load256::<K>(from.add(i * size)), r);
-                    let (x0, x1) = (_mm256_moveldup_ps(v), _mm256_movehdup_ps(v));
-                    let t = round256(_mm256_mul_ps(x1, _mm256_loadu_ps(row.fsw.as_ptr().add(i))), r);
-                    let t = _mm256_xor_ps(t, sign);
-                    let y = round256(_mm256_fmadd_ps(x0, _mm256_loadu_ps(row.f.as_ptr().add(i)), t), r);
-                    store256::<K>(base.add(i * size), y);
-                }
-            }
-        } else {
-            for i in (0..start).step_by(16) {
-                // SAFETY: elements i .. i + 16 of both halves (hh long, i + 16 ≤ start ≤ hh, start
-                // a multiple of 32, so the step's 32-pair chunk of cd and sd is whole).
-                unsafe { half_step_bf16_256(from, base, hh, i, row.cd.as_ptr(), row.sd.as_ptr(), r) };
-            }
-            for i in (start..done).step_by(8) {
-                // SAFETY: elements i .. i + 8 of both halves (hh long); c, s are hh long.
-                unsafe { half_step_256::<K>(from, base, hh, i, row.c.as_ptr(), row.s.as_ptr(), r) };
-            }
-        }
-    }
-    if interleaved { done / 2 } else { done }
+    // SAFETY: the caller's contract is `heads_any`'s, on this level.
+    unsafe { heads_any::<Avx2, K>(src, x, heads, d, rd, row, interleaved, r) }
 }
