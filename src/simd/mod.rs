@@ -54,6 +54,8 @@ mod neon;
 pub(crate) mod plain;
 pub(crate) mod quant;
 pub(crate) mod rope;
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+mod rope_lanes;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

@@ -458,23 +458,19 @@ pub(crate) fn rotate_heads_from<T: Element>(
         return;
     }
     #[cfg(target_arch = "aarch64")]
-    if let Some(kind) = neon_kind::<T>(token, r) {
+    if let Some(kind) = neon_kind::<T>(token) {
         use super::neon::rope::{BF16, F16, F32, heads_neon};
         copy_outside(src, x, (heads, d), at, rd);
         let p = x.as_mut_ptr().cast::<u8>();
         let from = src.map_or(p.cast_const(), |s| s.as_ptr().cast::<u8>());
         // SAFETY: the token proves NEON; x (and src, a distinct borrow when given, so not
         // overlapping) holds heads · d elements of T, whose kind (and so size) `kind` names
-        // (`neon_kind`); the asserts above prove the lengths of `row`'s `c` and `s`, the forms
-        // the kernel reads; `neon_kind` admits only `F32` and bf16 rounding.
+        // (`neon_kind`); the asserts above prove the lengths of `row`.
         let done = unsafe {
-            match (kind, interleaved) {
-                (BF16, false) => heads_neon::<BF16, false>(from, p, heads, d, rd, row, r),
-                (BF16, true) => heads_neon::<BF16, true>(from, p, heads, d, rd, row, r),
-                (F16, false) => heads_neon::<F16, false>(from, p, heads, d, rd, row, r),
-                (F16, true) => heads_neon::<F16, true>(from, p, heads, d, rd, row, r),
-                (_, false) => heads_neon::<F32, false>(from, p, heads, d, rd, row, r),
-                (_, true) => heads_neon::<F32, true>(from, p, heads, d, rd, row, r),
+            match kind {
+                BF16 => heads_neon::<BF16>(from, p, heads, d, rd, row, interleaved, r),
+                F16 => heads_neon::<F16>(from, p, heads, d, rd, row, interleaved, r),
+                _ => heads_neon::<F32>(from, p, heads, d, rd, row, interleaved, r),
             }
         };
         tail_pairs(src, x, (heads, d), at, done, row, interleaved, r);
@@ -539,12 +535,11 @@ fn tail_pairs<T: Element>(
 }
 
 /// The NEON head kernel's element kind of `T` where `heads_neon` takes it: a NEON level, bf16,
-/// f16 or f32 elements, `F32` math or bf16 rounding (E4M3 elements and f16 rounding go through
-/// the f32 buffer).
+/// f16 or f32 elements (E4M3 elements go through the f32 buffer).
 #[cfg(target_arch = "aarch64")]
-fn neon_kind<T: Element>(token: IsaToken, r: Round) -> Option<u8> {
+fn neon_kind<T: Element>(token: IsaToken) -> Option<u8> {
     use super::neon::rope::{BF16, F16, F32};
-    let neon = matches!(token.0, Isa::Neon | Isa::NeonDotprod | Isa::NeonI8mm) && r != Round::F16;
+    let neon = matches!(token.0, Isa::Neon | Isa::NeonDotprod | Isa::NeonI8mm);
     match T::DTYPE {
         DType::BF16 if neon => Some(BF16),
         DType::F16 if neon => Some(F16),
@@ -797,7 +792,7 @@ impl<T: Element, C: Element, F: Element> TokenFn<T, C, F> {
                 };
             }
             // `neon_kind` is `None` off NEON and for E4M3.
-            let f = match ((neon_kind::<T>(token, r)?, neon_kind::<C>(token, r)?), neon_kind::<F>(token, r)?) {
+            let f = match ((neon_kind::<T>(token)?, neon_kind::<C>(token)?), neon_kind::<F>(token)?) {
                 ((BF16, BF16), F32) => pick!(BF16, BF16, F32),
                 ((BF16, BF16), BF16) => pick!(BF16, BF16, BF16),
                 ((F16, F16), F32) => pick!(F16, F16, F32),

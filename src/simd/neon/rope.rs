@@ -1,11 +1,18 @@
-//! RoPE rotation on NEON f32 lanes, bit-identical to the portable version in
-//! [`crate::simd::rope`] (the same operations lane by lane; see the x86 module for the interleaved
-//! trick). `MaxCompat` with f16 freqs rounds through `half` pair by pair (Rust's NEON f16
-//! conversions are not stable).
+//! RoPE on NEON: the level's [`Lanes`] (4 f32 lanes) — the vector operations the kernels of
+//! [`crate::simd::rope_lanes`] are written with — and its entry points; bf16/f16 ↔ f32
+//! conversions. Interleaved f16 and f32 pairs are split and joined by `ld2`/`st2`
+//! ([`Lanes::LD2`]). f16 conversions are issued by `asm!` (`fcvtl`, `fcvtn`: Rust's NEON f16
+//! types are not stable).
 
-use crate::simd::rope::{RopeRow, Round, pair, rotate_scalar};
+use crate::simd::rope::{RopeRow, Round};
+pub(crate) use crate::simd::rope_lanes::{BF16, F16, F32};
+use crate::simd::rope_lanes::{Forms, Lanes, heads_any, level_fns, rotate, token};
 use std::arch::aarch64::*;
 
+/// The level's [`Forms`]: 32, 16 and 64 over 4 lanes vectors.
+type FormsNeon = Forms<float32x4_t, 8, 4, 16>;
+
+/// `v` rounded to bf16 as `half` does (nearest even, NaN made quiet), kept in f32 (low 16 bits 0).
 #[target_feature(enable = "neon")]
 #[inline]
 fn round_bf16(v: float32x4_t) -> float32x4_t {
@@ -17,75 +24,17 @@ fn round_bf16(v: float32x4_t) -> float32x4_t {
     vreinterpretq_f32_u32(vandq_u32(vbslq_u32(nan, quiet, rne), vdupq_n_u32(0xFFFF_0000)))
 }
 
+/// `v` rounded as `r` says: bf16 by [`round_bf16`], f16 by a round trip through f16 (`fcvtn`,
+/// `fcvtl`: nearest even, subnormals kept, overflow to infinity, as `half`).
 #[target_feature(enable = "neon")]
 #[inline]
 fn round(v: float32x4_t, r: Round) -> float32x4_t {
-    if r == Round::Bf16 { round_bf16(v) } else { v }
-}
-
-/// # Safety
-/// NEON must be available; `row` holds the forms of `x.len()` rotary dims.
-#[target_feature(enable = "neon")]
-pub(crate) unsafe fn rotate_neon(x: &mut [f32], row: &RopeRow<'_>, interleaved: bool, r: Round) {
-    if r == Round::F16 {
-        return rotate_scalar(x, row, interleaved, r);
-    }
-    let rd = x.len();
-    let xp = x.as_mut_ptr();
-    if interleaved {
-        let sign = vreinterpretq_u32_u64(vdupq_n_u64(0x8000_0000));
-        let mut i = 0;
-        while i + 4 <= rd {
-            // SAFETY: lanes i .. i + 4 of x, f and fsw (all rd long).
-            unsafe {
-                let v = round(vld1q_f32(xp.add(i)), r);
-                let (x0, x1) = (vtrn1q_f32(v, v), vtrn2q_f32(v, v));
-                let t = round(vmulq_f32(x1, vld1q_f32(row.fsw.as_ptr().add(i))), r);
-                let t = vreinterpretq_f32_u32(veorq_u32(vreinterpretq_u32_f32(t), sign));
-                let y = round(vfmaq_f32(t, x0, vld1q_f32(row.f.as_ptr().add(i))), r);
-                vst1q_f32(xp.add(i), y);
-            }
-            i += 4;
-        }
-        for p in i / 2..rd / 2 {
-            let (y0, y1) = pair(x[2 * p], x[2 * p + 1], row.c[p], row.s[p], r);
-            x[2 * p] = y0;
-            x[2 * p + 1] = y1;
-        }
-    } else {
-        let h = rd / 2;
-        let mut i = 0;
-        while i + 4 <= h {
-            // SAFETY: lanes i .. i + 4 of the halves and of c, s (h long).
-            unsafe {
-                let x0 = round(vld1q_f32(xp.add(i)), r);
-                let x1 = round(vld1q_f32(xp.add(h + i)), r);
-                let (c, s) = (vld1q_f32(row.c.as_ptr().add(i)), vld1q_f32(row.s.as_ptr().add(i)));
-                let t1 = round(vmulq_f32(x1, s), r);
-                let y0 = round(vfmaq_f32(vnegq_f32(t1), x0, c), r);
-                let t2 = round(vmulq_f32(x1, c), r);
-                let y1 = round(vfmaq_f32(t2, x0, s), r);
-                vst1q_f32(xp.add(i), y0);
-                vst1q_f32(xp.add(h + i), y1);
-            }
-            i += 4;
-        }
-        for p in i..h {
-            let (y0, y1) = pair(x[p], x[p + h], row.c[p], row.s[p], r);
-            x[p] = y0;
-            x[p + h] = y1;
-        }
+    match r {
+        Round::None => v,
+        Round::Bf16 => round_bf16(v),
+        Round::F16 => widen_f16_4(narrow_f16_4(v)),
     }
 }
-
-// ---------------------------------------------------------------------------------------------
-// Whole heads: load bf16 or f32, rotate, store, with no intermediate buffer (the f32 buffer path
-// widened and narrowed bf16 one element at a time).
-
-/// Element kinds [`heads_neon`] loads and stores (the x86 kernels' numbering).
-pub(crate) const BF16: u8 = 0;
-pub(crate) const F16: u8 = 1;
-pub(crate) const F32: u8 = 2;
 
 /// The low / high four f16 (bits) of `v` widened to f32 by `fcvtl`/`fcvtl2` (exact; issued by
 /// `asm!` because Rust's NEON f16 types are not stable).
@@ -145,27 +94,6 @@ fn widen_bf16(v: uint16x8_t) -> (float32x4_t, float32x4_t) {
 fn narrow_bf16(lo: float32x4_t, hi: float32x4_t) -> uint16x8_t {
     let (a, b) = (vreinterpretq_u32_f32(round_bf16(lo)), vreinterpretq_u32_f32(round_bf16(hi)));
     vshrn_high_n_u32::<16>(vshrn_n_u32::<16>(a), b)
-}
-
-/// Eight f32 (`lo`, then `hi`) rounded to bf16 as [`narrow_bf16`] does, on 16-bit lanes (the x86
-/// `join_bf16`'s method): `h` holds every value's truncated bf16 and `l` the bits rounding drops,
-/// and a value rounds up when `l | (h & 1) > 0x8000`; rounding up the largest finite value gives
-/// infinity, as `half` does. Six operations per eight values where [`narrow_bf16`] takes twenty
-/// (its NaN quieting and masks). It does not quiet NaNs: a NaN given to it must have zero low
-/// 16 bits (it then has `l = 0` and is never rounded up), which [`heads_neon`]'s values do (bf16
-/// inputs widen with zero low bits, `RopeRow::fill` makes NaN freqs the default NaN, AArch64
-/// arithmetic returns an operand's NaN quieted or the default NaN, and [`round_bf16`] leaves
-/// zero low bits). So the bits equal [`narrow_bf16`]'s there.
-#[target_feature(enable = "neon")]
-#[inline]
-fn join_bf16(lo: float32x4_t, hi: float32x4_t) -> uint16x8_t {
-    let (a, b) = (vreinterpretq_u16_f32(lo), vreinterpretq_u16_f32(hi));
-    // Little-endian: each f32 lane is its low u16 then its high u16.
-    let (l, h) = (vuzp1q_u16(a, b), vuzp2q_u16(a, b));
-    let t = vorrq_u16(l, vandq_u16(h, vdupq_n_u16(1)));
-    // `up` is all ones (−1) where the value rounds up.
-    let up = vcgtq_u16(t, vdupq_n_u16(0x8000));
-    vsubq_u16(h, up)
 }
 
 /// `dst[i] = f32(src[i])` for bf16 (`bf16`) or f16 bits, eight at a time (the rest one by one,
@@ -235,186 +163,290 @@ pub(crate) unsafe fn copy16(src: *const u16, dst: *mut u16, n: usize, bf16: bool
     unsafe { super::super::rope::copy16_tail(src, dst, n, i, bf16) }
 }
 
-/// Four pairs `(x0, x1)` with `c` and `ns = −s`: the oracle's operations (`rotate_neon`'s
-/// half-split step), rounded after each as `r` says. With `−s` given, no negation is left in the
-/// step: `x1 · (−s)` is the oracle's `−t1` exactly (a product's sign is its factors' and rounding
-/// to nearest even, in f32 and to bf16, is symmetric), so `y0 = fma(x0, c, −t1)` is one `fmla`,
-/// and `y1 = t2 − x0 · (−s)`, one `fmls`, is `fma(x0, s, t2)` (the same exact sum, rounded once).
-/// Two `fneg` fewer in each step of eight pairs (of 30 instructions, bf16 half-split, as
-/// compiled); the token kernel negates its forms once per token.
+/// Four f16 (bits) widened to f32 by `fcvtl` (exact).
 #[target_feature(enable = "neon")]
 #[inline]
-fn rot4(x0: float32x4_t, x1: float32x4_t, c: float32x4_t, ns: float32x4_t, r: Round) -> (float32x4_t, float32x4_t) {
-    let t1n = round(vmulq_f32(x1, ns), r);
-    let y0 = round(vfmaq_f32(t1n, x0, c), r);
-    let t2 = round(vmulq_f32(x1, c), r);
-    let y1 = round(vfmsq_f32(t2, x0, ns), r);
-    (y0, y1)
+fn widen_f16_4(v: uint16x4_t) -> float32x4_t {
+    let o: float32x4_t;
+    // SAFETY: as in `widen_f16`.
+    unsafe {
+        std::arch::asm!(
+            "fcvtl {o:v}.4s, {v:v}.4h",
+            v = in(vreg) v,
+            o = out(vreg) o,
+            options(pure, nomem, nostack),
+        );
+    }
+    o
 }
 
-/// One step of [`heads_neon`]: pairs `p .. p + 8` (bf16, f16; `c`, `ns` their forms `c` and `−s`,
-/// four pairs per vector) or `p .. p + 4` (f32; the first vector of each) of a head's rotary region (`hh`
-/// pairs) from `from` into `base`: half-split, elements `p ..` of each half; `INTER`, elements
-/// `2p ..` (split and joined by `ld2` / `st2`). The oracle's operations lane by lane.
-///
-/// # Safety
-/// NEON must be available; the step's elements readable at `from` and writable at `base` (the
-/// same head or non-overlapping), `p + 8` (f32: `p + 4`) ≤ `hh`; `r` is not `F16`; NaNs in `c`,
-/// `ns` have zero low 16 bits (for bf16, see [`join_bf16`]).
+/// Four f32 rounded to f16 by `fcvtn`, as [`narrow_f16`] rounds.
 #[target_feature(enable = "neon")]
 #[inline]
-unsafe fn step_neon<const K: u8, const INTER: bool>(
-    from: *const u8,
-    base: *mut u8,
-    hh: usize,
-    p: usize,
-    c: [float32x4_t; 2],
-    ns: [float32x4_t; 2],
-    r: Round,
-) {
-    // SAFETY: the caller's contract covers every address below.
+fn narrow_f16_4(v: float32x4_t) -> uint16x4_t {
+    let o: uint16x4_t;
+    // SAFETY: as in `narrow_f16`.
     unsafe {
-        if K != F32 {
-            let (a, b) = if INTER {
-                let v = vld2q_u16(from.add(4 * p).cast());
-                (v.0, v.1)
-            } else {
-                (vld1q_u16(from.add(2 * p).cast()), vld1q_u16(from.add(2 * (hh + p)).cast()))
-            };
-            let widen = if K == BF16 { widen_bf16 } else { widen_f16 };
-            let ((a0, a1), (b0, b1)) = (widen(a), widen(b));
-            let (y0l, y1l) = rot4(round(a0, r), round(b0, r), c[0], ns[0], r);
-            let (y0h, y1h) = rot4(round(a1, r), round(b1, r), c[1], ns[1], r);
-            // `join_bf16`: its NaN precondition holds (see there).
-            let narrow = if K == BF16 { join_bf16 } else { narrow_f16 };
-            let (y0, y1) = (narrow(y0l, y0h), narrow(y1l, y1h));
-            if INTER {
-                vst2q_u16(base.add(4 * p).cast(), uint16x8x2_t(y0, y1));
-            } else {
-                vst1q_u16(base.add(2 * p).cast(), y0);
-                vst1q_u16(base.add(2 * (hh + p)).cast(), y1);
-            }
-        } else {
-            let (x0, x1) = if INTER {
-                let v = vld2q_f32(from.add(8 * p).cast());
-                (v.0, v.1)
-            } else {
-                (vld1q_f32(from.add(4 * p).cast()), vld1q_f32(from.add(4 * (hh + p)).cast()))
-            };
-            let (y0, y1) = rot4(round(x0, r), round(x1, r), c[0], ns[0], r);
-            if INTER {
-                vst2q_f32(base.add(8 * p).cast(), float32x4x2_t(y0, y1));
-            } else {
-                vst1q_f32(base.add(4 * p).cast(), y0);
-                vst1q_f32(base.add(4 * (hh + p)).cast(), y1);
-            }
+        std::arch::asm!(
+            "fcvtn {o:v}.4h, {v:v}.4s",
+            v = in(vreg) v,
+            o = out(vreg) o,
+            options(pure, nomem, nostack),
+        );
+    }
+    o
+}
+
+/// Four bf16 (bits) widened to f32 (exact: the bits shifted into the high half).
+#[target_feature(enable = "neon")]
+#[inline]
+fn widen_bf16_4(v: uint16x4_t) -> float32x4_t {
+    vreinterpretq_f32_u32(vshll_n_u16::<16>(v))
+}
+
+/// Four f32 rounded to bf16 as `half` does ([`round_bf16`], then the high halves).
+#[target_feature(enable = "neon")]
+#[inline]
+fn narrow_bf16_4(v: float32x4_t) -> uint16x4_t {
+    vshrn_n_u32::<16>(vreinterpretq_u32_f32(round_bf16(v)))
+}
+
+/// Four elements of kind `K` at `p`, widened exactly.
+///
+/// # Safety
+/// NEON must be available; 4 readable elements of kind `K` at `p`.
+#[target_feature(enable = "neon")]
+#[inline]
+unsafe fn load4<const K: u8>(p: *const u8) -> float32x4_t {
+    // SAFETY: the caller guarantees 4 elements at p.
+    unsafe {
+        match K {
+            BF16 => widen_bf16_4(vld1_u16(p.cast())),
+            F16 => widen_f16_4(vld1_u16(p.cast())),
+            _ => vld1q_f32(p.cast()),
         }
     }
 }
 
-/// Rotates the rotary region of `heads` heads of `d` elements of kind `K` (bf16, f16 or f32) from
-/// `src` into `x` (`src == x`: in place; the other dims of `x` are not touched), in `F32` math or
-/// with bf16 rounding (`r` is not `F16`). Interleaved pairs are split and joined by the
-/// de-interleaving loads and stores (`ld2`/`st2`), so both pairings run the same four-lane
-/// rotation on contiguous `c`, `s` forms: the oracle's operations lane by lane, so the same bits.
-/// Returns the pairs per head done (whole steps of 8 pairs for bf16 and f16, 4 for f32); the caller
-/// rotates the rest. `INTER`: interleaved pairs (a parameter, the pairing was a branch in every
-/// step: three of the half-split bf16 step's 35 instructions).
+/// Four values stored as elements of kind `K` at `p`, each rounded once (nearest even).
+///
+/// # Safety
+/// NEON must be available; room for 4 elements of kind `K` at `p`.
+#[target_feature(enable = "neon")]
+#[inline]
+unsafe fn store4<const K: u8>(p: *mut u8, v: float32x4_t) {
+    // SAFETY: the caller guarantees room for 4 elements at p.
+    unsafe {
+        match K {
+            BF16 => vst1_u16(p.cast(), narrow_bf16_4(v)),
+            F16 => vst1_u16(p.cast(), narrow_f16_4(v)),
+            _ => vst1q_f32(p.cast(), v),
+        }
+    }
+}
+
+/// Stores the even `e` and odd `o` lanes as 8 bf16 at `p` (`e0, o0, e1, o1, …`), each rounded
+/// to nearest even on 16-bit lanes: `h` holds every value's truncated bf16 (the high halves,
+/// interleaved by `trn2`) and `l` the bits rounding drops (`trn1`), and a value rounds up when
+/// `l | (h & 1) > 0x8000`; rounding up the largest finite value gives infinity, as `half` does.
+/// Six operations per eight values. It does not quiet NaNs: a NaN given to it must have zero low
+/// 16 bits (it then has `l = 0` and is never rounded up), which the kernels' values do (bf16
+/// inputs widen with zero low bits, the forms' NaNs are the default NaN, AArch64 arithmetic
+/// returns an operand's NaN quieted or the default NaN, and [`round`] leaves zero low bits). So
+/// the bits equal `half`'s conversion there.
+///
+/// # Safety
+/// NEON must be available; 16 writable bytes at `p`; NaNs in `e`, `o` as above.
+#[target_feature(enable = "neon")]
+#[inline]
+unsafe fn join_bf16(p: *mut u8, e: float32x4_t, o: float32x4_t) {
+    let (a, b) = (vreinterpretq_u16_f32(e), vreinterpretq_u16_f32(o));
+    // Little-endian: each f32 lane is its low u16 then its high u16.
+    let (l, h) = (vtrn1q_u16(a, b), vtrn2q_u16(a, b));
+    let t = vorrq_u16(l, vandq_u16(h, vdupq_n_u16(1)));
+    // `up` is all ones (−1) where the value rounds up.
+    let up = vcgtq_u16(t, vdupq_n_u16(0x8000));
+    // SAFETY: the caller guarantees 16 bytes at p.
+    unsafe { vst1q_u16(p.cast(), vsubq_u16(h, up)) }
+}
+
+/// [`Forms`] of the 64 freqs (`c0, s0, c1, s1, …`) of kind `KF` at `p`: `c`, `s` de-interleaved
+/// by the loads (`ld2`), widened exactly, NaN made the default NaN where `canon` (as
+/// [`RopeRow::fill`] does); `d` per 8-pair bf16 step by `uzp1`/`uzp2` (the even and the odd pairs'
+/// `c`, `s`: `RopeRow::fill`'s `cd`, `sd` layout); `f` the freqs themselves.
+///
+/// # Safety
+/// NEON must be available; 64 readable elements of kind `KF` at `p`.
+#[target_feature(enable = "neon")]
+#[inline]
+unsafe fn chunk_forms<const KF: u8>(p: *const u8, canon: bool) -> FormsNeon {
+    let canon = |v: float32x4_t| if canon { default_nan(v) } else { v };
+    // SAFETY: NEON is enabled here, as `forms_zero` requires.
+    let mut k = unsafe { <Neon as Lanes>::forms_zero() };
+    if KF == F32 {
+        for j in 0..8 {
+            // SAFETY: elements 8 j .. 8 j + 8 of the 64 at p.
+            let v = unsafe { vld2q_f32(p.add(32 * j).cast()) };
+            (k.c[j], k.s[j]) = (canon(v.0), canon(v.1));
+        }
+    } else {
+        for j in 0..4 {
+            // SAFETY: elements 16 j .. 16 j + 16 of the 64 at p.
+            let v = unsafe { vld2q_u16(p.add(32 * j).cast()) };
+            let widen = |h: uint16x4_t| canon(if KF == BF16 { widen_bf16_4(h) } else { widen_f16_4(h) });
+            (k.c[2 * j], k.c[2 * j + 1]) = (widen(vget_low_u16(v.0)), widen(vget_high_u16(v.0)));
+            (k.s[2 * j], k.s[2 * j + 1]) = (widen(vget_low_u16(v.1)), widen(vget_high_u16(v.1)));
+        }
+    }
+    for j in 0..4 {
+        let (c, s) = ((k.c[2 * j], k.c[2 * j + 1]), (k.s[2 * j], k.s[2 * j + 1]));
+        k.d[j] = [vuzp1q_f32(c.0, c.1), vuzp2q_f32(c.0, c.1), vuzp1q_f32(s.0, s.1), vuzp2q_f32(s.0, s.1)];
+    }
+    let size = if KF == F32 { 4 } else { 2 };
+    for j in 0..16 {
+        // SAFETY: elements 4 j .. 4 j + 4 of the 64 at p.
+        k.f[j] = canon(unsafe { load4::<KF>(p.add(4 * j * size)) });
+    }
+    k
+}
+
+/// The NEON level's [`Lanes`]: 4 lanes; interleaved f16 and f32 pairs split by `ld2` and joined
+/// by `st2`; no output prefetch.
+struct Neon;
+
+impl Lanes for Neon {
+    type V = float32x4_t;
+    type Acc = ();
+    type Forms = FormsNeon;
+    const L: usize = 4;
+    const PREFETCH_OUT: bool = false;
+    const LD2: bool = true;
+
+    level_fns! { "neon";
+        unsafe fn loadu(p: *const f32) -> float32x4_t {
+            // SAFETY: the caller guarantees 4 f32 at p.
+            unsafe { vld1q_f32(p) }
+        }
+        unsafe fn load<const K: u8>(p: *const u8) -> float32x4_t {
+            // SAFETY: the caller guarantees 4 elements of kind K at p.
+            unsafe { load4::<K>(p) }
+        }
+        unsafe fn store<const K: u8>(p: *mut u8, v: float32x4_t) -> () {
+            // SAFETY: the caller guarantees room for 4 elements of kind K at p.
+            unsafe { store4::<K>(p, v) }
+        }
+        unsafe fn round(v: float32x4_t, r: Round) -> float32x4_t { round(v, r) }
+        unsafe fn mul(a: float32x4_t, b: float32x4_t) -> float32x4_t { vmulq_f32(a, b) }
+        unsafe fn fmadd(a: float32x4_t, b: float32x4_t, c: float32x4_t) -> float32x4_t { vfmaq_f32(c, a, b) }
+        unsafe fn fnmadd(a: float32x4_t, b: float32x4_t, c: float32x4_t) -> float32x4_t { vfmsq_f32(c, a, b) }
+        unsafe fn neg(v: float32x4_t) -> float32x4_t { vnegq_f32(v) }
+        unsafe fn neg_even(v: float32x4_t) -> float32x4_t {
+            let sign = vreinterpretq_u32_u64(vdupq_n_u64(0x8000_0000));
+            vreinterpretq_f32_u32(veorq_u32(vreinterpretq_u32_f32(v), sign))
+        }
+        unsafe fn dup_even(v: float32x4_t) -> float32x4_t { vtrn1q_f32(v, v) }
+        unsafe fn dup_odd(v: float32x4_t) -> float32x4_t { vtrn2q_f32(v, v) }
+        unsafe fn swap_pairs(v: float32x4_t) -> float32x4_t { vrev64q_f32(v) }
+        unsafe fn split_bf16(p: *const u8, r: Round) -> (float32x4_t, float32x4_t) {
+            // SAFETY: the caller guarantees 16 bytes at p.
+            let u = unsafe { vld1q_u32(p.cast()) };
+            let e = vreinterpretq_f32_u32(vshlq_n_u32::<16>(u));
+            let o = vreinterpretq_f32_u32(vandq_u32(u, vdupq_n_u32(0xFFFF_0000)));
+            (round(e, r), round(o, r))
+        }
+        unsafe fn join_bf16<const CVT: bool, const ACC: bool>(p: *mut u8, e: float32x4_t, o: float32x4_t, _acc: &mut ()) -> () {
+            // SAFETY: the caller guarantees 16 bytes at p and NaNs as `join_bf16` needs.
+            unsafe { join_bf16(p, e, o) }
+        }
+        unsafe fn acc_new() -> () {}
+        unsafe fn acc_hit(_acc: ()) -> bool { false }
+        unsafe fn forms_zero() -> FormsNeon {
+            let z = vdupq_n_f32(0.0);
+            Forms { c: [z; 8], s: [z; 8], d: [[z; 4]; 4], f: [z; 16], fsw: [z; 16] }
+        }
+        unsafe fn forms<const KF: u8>(p: *const u8, canon: bool) -> FormsNeon {
+            // SAFETY: the caller guarantees 64 elements of kind KF at p.
+            unsafe { chunk_forms::<KF>(p, canon) }
+        }
+        unsafe fn load2<const K: u8>(p: *const u8) -> (float32x4_t, float32x4_t) {
+            // SAFETY: the caller guarantees 8 elements of kind K at p.
+            unsafe {
+                match K {
+                    F32 => {
+                        let v = vld2q_f32(p.cast());
+                        (v.0, v.1)
+                    }
+                    BF16 => {
+                        let v = vld2_u16(p.cast());
+                        (widen_bf16_4(v.0), widen_bf16_4(v.1))
+                    }
+                    _ => {
+                        let v = vld2_u16(p.cast());
+                        (widen_f16_4(v.0), widen_f16_4(v.1))
+                    }
+                }
+            }
+        }
+        unsafe fn store2<const K: u8>(p: *mut u8, y0: float32x4_t, y1: float32x4_t) -> () {
+            // SAFETY: the caller guarantees room for 8 elements of kind K at p.
+            unsafe {
+                match K {
+                    F32 => vst2q_f32(p.cast(), float32x4x2_t(y0, y1)),
+                    BF16 => vst2_u16(p.cast(), uint16x4x2_t(narrow_bf16_4(y0), narrow_bf16_4(y1))),
+                    _ => vst2_u16(p.cast(), uint16x4x2_t(narrow_f16_4(y0), narrow_f16_4(y1))),
+                }
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn prefetch(_p: *const u8) {}
+}
+
+// ---------------------------------------------------------------------------------------------
+// The entry points: the NEON instances of the kernels in `rope_lanes`.
+
+/// Rotates an f32 buffer by its `RopeRow` forms (`rotate_avx2` on NEON).
+///
+/// # Safety
+/// NEON must be available; `row` holds the forms of `x.len()` rotary dims (`c`, `s`:
+/// `x.len() / 2`; `f`, `fsw`: `x.len()` when `interleaved`).
+#[target_feature(enable = "neon")]
+pub(crate) unsafe fn rotate_neon(x: &mut [f32], row: &RopeRow<'_>, interleaved: bool, r: Round) {
+    // SAFETY: the caller's contract is `rotate`'s, on this level.
+    unsafe { rotate::<Neon>(x, row, interleaved, r) }
+}
+
+/// Rotates the rotary region of `heads` heads of `d` elements of kind `K` from `src` into `x`
+/// (`src == x`: in place; the other dims of `x` are not touched), the x86 `heads_avx2` on NEON.
+/// Returns the number of pairs per head done; the caller rotates the rest (a tail shorter than a
+/// vector).
 ///
 /// # Safety
 /// NEON must be available; `src` and `x` each hold `heads · d` elements of kind `K` (2 bytes for
-/// bf16 and f16, 4 for f32) and either are the same pointer or do not overlap; `row.c` and `row.s` hold
-/// `rd / 2` values (`rd` even, ≤ `d`).
+/// bf16 and f16, 4 for f32) and either are the same pointer or do not overlap; `row` holds the
+/// forms of `rd` rotary dims for the pairing (`rd` even, ≤ `d`).
 #[target_feature(enable = "neon")]
-pub(crate) unsafe fn heads_neon<const K: u8, const INTER: bool>(
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn heads_neon<const K: u8>(
     src: *const u8,
     x: *mut u8,
     heads: usize,
     d: usize,
     rd: usize,
     row: &RopeRow<'_>,
+    interleaved: bool,
     r: Round,
 ) -> usize {
-    let interleaved = INTER;
-    debug_assert!(r != Round::F16 && row.c.len() == rd / 2 && row.s.len() == rd / 2);
-    let size = if K == F32 { 4 } else { 2 };
-    let at = if interleaved { d - rd } else { 0 };
-    let hh = rd / 2;
-    let step = if K == F32 { 4 } else { 8 };
-    let done = hh / step * step;
-    let (c, s) = (row.c.as_ptr(), row.s.as_ptr());
-    for h in 0..heads {
-        let (base, from) = (x.wrapping_add((h * d + at) * size), src.wrapping_add((h * d + at) * size));
-        for p in (0..done).step_by(step) {
-            // SAFETY: pairs p .. p + step (≤ hh) of the head's rotary region, as `step_neon`
-            // needs; values p .. p + step of c and s (hh long; f32 reads only the first vector).
-            unsafe {
-                let load = |f: *const f32| {
-                    let hi = if K == F32 { vdupq_n_f32(0.0) } else { vld1q_f32(f.add(p + 4)) };
-                    [vld1q_f32(f.add(p)), hi]
-                };
-                let ([c0, c1], [s0, s1]) = (load(c), load(s));
-                step_neon::<K, INTER>(from, base, hh, p, [c0, c1], [vnegq_f32(s0), vnegq_f32(s1)], r);
-            }
-        }
-    }
-    done
+    // SAFETY: the caller's contract is `heads_any`'s, on this level.
+    unsafe { heads_any::<Neon, K>(src, x, heads, d, rd, row, interleaved, r) }
 }
 
-/// The forms of one 32-pair chunk of a freqs row in registers: `c` and `−s` (as [`rot4`] takes
-/// them) of pairs `4 j .. 4 j + 4` in vector `j` of each — [`RopeRow::fill`]'s `c` and `s`
-/// values for the chunk, `s` negated.
-#[derive(Clone, Copy)]
-struct Chunk {
-    c: [float32x4_t; 8],
-    ns: [float32x4_t; 8],
-}
-
-/// Every NaN lane of `v` made the default NaN (`f32::NAN`, as [`RopeRow::fill`] does), the others
-/// kept.
-#[target_feature(enable = "neon")]
-#[inline]
-fn default_nan(v: float32x4_t) -> float32x4_t {
-    vbslq_f32(vceqq_f32(v, v), v, vdupq_n_f32(f32::NAN))
-}
-
-/// [`Chunk`] of the 64 freqs (`c0, s0, c1, s1, …`) of kind `KF` at `p`: de-interleaved by the
-/// loads (`ld2`), widened exactly, NaN made the default NaN, `s` negated (a NaN's sign flips:
-/// NaN sign and payload are outside the bit-exact promise, and its low bits stay zero).
-///
-/// # Safety
-/// NEON must be available; 64 readable elements of kind `KF` at `p`.
-#[target_feature(enable = "neon")]
-#[inline]
-unsafe fn chunk<const KF: u8>(p: *const u8) -> Chunk {
-    let zero = vdupq_n_f32(0.0);
-    let mut k = Chunk { c: [zero; 8], ns: [zero; 8] };
-    if KF == F32 {
-        for j in 0..8 {
-            // SAFETY: elements 8 j .. 8 j + 8 of the 64 at p.
-            let v = unsafe { vld2q_f32(p.add(32 * j).cast()) };
-            (k.c[j], k.ns[j]) = (default_nan(v.0), vnegq_f32(default_nan(v.1)));
-        }
-    } else {
-        let widen = if KF == BF16 { widen_bf16 } else { widen_f16 };
-        for j in 0..4 {
-            // SAFETY: elements 16 j .. 16 j + 16 of the 64 at p.
-            let v = unsafe { vld2q_u16(p.add(32 * j).cast()) };
-            let ((c0, c1), (s0, s1)) = (widen(v.0), widen(v.1));
-            (k.c[2 * j], k.c[2 * j + 1]) = (default_nan(c0), default_nan(c1));
-            (k.ns[2 * j], k.ns[2 * j + 1]) = (vnegq_f32(default_nan(s0)), vnegq_f32(default_nan(s1)));
-        }
-    }
-    k
-}
-
-/// One token of the standalone RoPE with whole heads of `64 N` dims in `F32` math, on NEON: the
-/// freqs row of kind `KF` read once into registers ([`Chunk`]; for `N = 2` the compiler keeps
-/// what the 32 registers allow and the rest on the stack), the Q heads (kind `KQ`) from `q` into
-/// `out`, the K heads (kind `KK`) in place at `k`, half-split or (`INTER`) interleaved pairs —
-/// [`heads_neon`]'s steps on the forms [`RopeRow::fill`] would have stored, so the same bits,
-/// without the per-token buffer and the general path's per-row checks and dispatch. `tokens`
-/// consecutive tokens in one call (a run), as the x86 token kernels take them.
+/// One run of tokens of the standalone RoPE with whole heads of `64 N` dims in `F32` math (the
+/// x86 `token_avx2` on NEON): the freqs row of kind `KF` read once per token into registers (for
+/// `N = 2` the compiler keeps what the 32 registers allow and the rest on the stack), the Q
+/// heads (kind `KQ`) from `q` into `out`, the K heads (kind `KK`) in place at `k`, half-split
+/// or (`INTER`) interleaved pairs.
 ///
 /// # Safety
 /// NEON must be available; for each token `t < tokens`: `freqs` holds `64 N` elements of kind
@@ -433,47 +465,14 @@ pub(crate) unsafe fn token_neon<const KQ: u8, const KK: u8, const KF: u8, const 
     tokens: usize,
     k_stride: usize,
 ) {
-    let size = |kind: u8| if kind == F32 { 4 } else { 2 };
-    let (fsize, qrow, krow) = (size(KF), hq * 64 * N * size(KQ), k_stride * size(KK));
-    for t in 0..tokens {
-        // SAFETY: token t's freqs, Q, output and K rows as the contract says (chunk b's 64 freqs
-        // at 64 b of the row's 64 N, b < N).
-        unsafe {
-            let (freqs, q, out, k) =
-                (freqs.add(t * 64 * N * fsize), q.add(t * qrow), out.add(t * qrow), k.add(t * krow));
-            let forms: [Chunk; N] = std::array::from_fn(|b| chunk::<KF>(freqs.add(64 * b * fsize)));
-            token_heads::<KQ, N, INTER>(q, out, hq, &forms);
-            token_heads::<KK, N, INTER>(k, k, hk, &forms);
-        }
-    }
+    // SAFETY: the caller's contract is `token`'s, on this level.
+    unsafe { token::<Neon, KQ, KK, KF, N, false, INTER>(freqs, (q, out, hq), (k, hk), tokens, k_stride) }
 }
 
-/// [`token_neon`]'s heads: `heads` heads of `64 N` dims of kind `K` from `src` into `x` by
-/// [`step_neon`] on the chunks' forms.
-///
-/// # Safety
-/// NEON must be available; `src` and `x` each hold `heads · 64 N` elements of kind `K` and
-/// either are the same pointer or do not overlap; the forms' NaNs are the default NaN.
+/// Every NaN lane of `v` made the default NaN (`f32::NAN`, as [`RopeRow::fill`] does), the others
+/// kept.
 #[target_feature(enable = "neon")]
 #[inline]
-unsafe fn token_heads<const K: u8, const N: usize, const INTER: bool>(
-    src: *const u8,
-    x: *mut u8,
-    heads: usize,
-    forms: &[Chunk; N],
-) {
-    let (size, hh) = (if K == F32 { 4 } else { 2 }, 32 * N);
-    for h in 0..heads {
-        let (from, base) = (src.wrapping_add(2 * h * hh * size), x.wrapping_add(2 * h * hh * size));
-        for (b, f) in forms.iter().enumerate() {
-            for j in (0..8).step_by(if K == F32 { 1 } else { 2 }) {
-                let p = 32 * b + 4 * j;
-                let (c, ns) =
-                    if K == F32 { ([f.c[j]; 2], [f.ns[j]; 2]) } else { ([f.c[j], f.c[j + 1]], [f.ns[j], f.ns[j + 1]]) };
-                // SAFETY: pairs p .. p + 8 (f32: p + 4) ≤ 32 b + 32 ≤ hh of head h (2 hh = 64 N
-                // elements), within `src` and `x`; the forms' NaNs are the default NaN.
-                unsafe { step_neon::<K, INTER>(from, base, hh, p, c, ns, Round::None) };
-            }
-        }
-    }
+fn default_nan(v: float32x4_t) -> float32x4_t {
+    vbslq_f32(vceqq_f32(v, v), v, vdupq_n_f32(f32::NAN))
 }

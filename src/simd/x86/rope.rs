@@ -1,15 +1,17 @@
-//! RoPE rotation on f32 lanes (AVX2 8, AVX-512 16) and bf16/f16 ↔ f32 conversions, bit-identical
-//! to the portable versions in [`crate::simd::rope`].
-//!
-//! Interleaved pairs `(x0, x1)` sit in adjacent lanes: with `X0 = (x0, x0)` and `X1 = (x1, x1)`
-//! (`moveldup`/`movehdup`), `t = X1 · (s, c)` and `y = fma(X0, (c, s), (−t_even, t_odd))` give
-//! `y0 = fma(x0, c, −(x1·s))` and `y1 = fma(x0, s, x1·c)`: the oracle's operations, lane by lane.
-//! Half-split pairs are two vectors `x0 = x[i..]`, `x1 = x[i + h..]` with `c`, `s` vectors.
-//! `MaxCompat` rounds after each operation: bf16 by integer round-to-nearest-even (NaN made quiet,
-//! as `half` does), f16 by `vcvtps2ph`/`vcvtph2ps` (what `half` uses on these CPUs).
+//! RoPE on x86: the AVX2 (8 f32 lanes) and AVX-512 (16) levels' [`Lanes`] — the vector
+//! operations the kernels of [`crate::simd::rope_lanes`] are written with — and their entry
+//! points; bf16/f16 ↔ f32 conversions. `MaxCompat` rounds after each operation: bf16 by integer
+//! round-to-nearest-even (NaN made quiet, as `half` does), f16 by `vcvtps2ph`/`vcvtph2ps` (what
+//! `half` uses on these CPUs).
 
-use crate::simd::rope::{RopeRow, Round, pair};
+use crate::simd::rope::{RopeRow, Round};
+pub(crate) use crate::simd::rope_lanes::{BF16, F16, F32};
+use crate::simd::rope_lanes::{Forms, Lanes, heads_any, heads_half, level_fns, rotate, token};
 use std::arch::x86_64::*;
+
+/// The levels' [`Forms`]: 32, 16 and 64 over the lanes (16 for AVX-512, 8 for AVX2) vectors.
+type Forms512 = Forms<__m512, 2, 1, 4>;
+type Forms256 = Forms<__m256, 4, 2, 8>;
 
 /// `a ^ b` on the bits (`_mm512_xor_ps` needs AVX-512 DQ, which the `Avx512` level does not
 /// require: without the feature the intrinsic compiled to a call per use).
@@ -290,11 +292,6 @@ pub(crate) unsafe fn copy16_avx512(src: *const u16, dst: *mut u16, n: usize, bf1
 // Whole heads in place (the standalone RoPE's inner loop): load the element type, rotate, store,
 // with no intermediate buffer. The levels' loads, stores and bf16 joins first, then the kernels
 // written once over both (`Lanes`).
-
-/// Element types the head kernels load and store directly.
-pub(crate) const BF16: u8 = 0;
-pub(crate) const F16: u8 = 1;
-pub(crate) const F32: u8 = 2;
 
 #[target_feature(enable = "avx512f")]
 #[inline]
@@ -580,7 +577,7 @@ fn default_nan512(v: __m512) -> __m512 {
 /// AVX-512 F must be available; 64 readable elements of kind `KF` at `p`.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn chunk_forms<const KF: u8>(p: *const u8, canon_nan: bool) -> Forms<__m512> {
+unsafe fn chunk_forms<const KF: u8>(p: *const u8, canon_nan: bool) -> Forms512 {
     let size = if KF == F32 { 4 } else { 2 };
     let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
@@ -596,7 +593,7 @@ unsafe fn chunk_forms<const KF: u8>(p: *const u8, canon_nan: bool) -> Forms<__m5
         _mm512_permutex2var_ps(s0, odd, s1),
     ];
     let z = _mm512_setzero_ps();
-    Forms { c: [c0, c1, z, z], s: [s0, s1, z, z], d: [d, [z; 4]], f: [f[0], f[1], f[2], f[3], z, z, z, z], fsw: [z; 8] }
+    Forms { c: [c0, c1], s: [s0, s1], d: [d], f, fsw: [z; 4] }
 }
 
 /// [`Forms`] of the 64 freqs of kind `KF` at `p` on AVX2: widened exactly, NaN made the default
@@ -606,7 +603,7 @@ unsafe fn chunk_forms<const KF: u8>(p: *const u8, canon_nan: bool) -> Forms<__m5
 /// AVX2, FMA and F16C must be available; 64 readable elements of kind `KF` at `p`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn chunk_forms_256<const KF: u8>(p: *const u8, canon_nan: bool) -> Forms<__m256> {
+unsafe fn chunk_forms_256<const KF: u8>(p: *const u8, canon_nan: bool) -> Forms256 {
     let size = if KF == F32 { 4 } else { 2 };
     let canon = |v: __m256| if canon_nan { default_nan256(v) } else { v };
     // The even and the odd elements of the 16 values a, b, in order.
@@ -615,524 +612,28 @@ unsafe fn chunk_forms_256<const KF: u8>(p: *const u8, canon_nan: bool) -> Forms<
         let o = _mm256_castpd_ps(_mm256_permute4x64_pd::<0xD8>(_mm256_castps_pd(_mm256_shuffle_ps::<0xDD>(a, b))));
         (e, o)
     };
-    let zero = _mm256_setzero_ps();
-    let (mut c, mut s, mut f) = ([zero; 4], [zero; 4], [zero; 8]);
+    let z = _mm256_setzero_ps();
+    let mut k = Forms { c: [z; 4], s: [z; 4], d: [[z; 4]; 2], f: [z; 8], fsw: [z; 8] };
     for i in 0..8 {
         // SAFETY: elements 8i .. 8i + 8 of the 64 at p.
-        f[i] = canon(unsafe { load256::<KF>(p.add(8 * i * size)) });
+        k.f[i] = canon(unsafe { load256::<KF>(p.add(8 * i * size)) });
     }
     for j in 0..4 {
-        (c[j], s[j]) = split(f[2 * j], f[2 * j + 1]);
+        (k.c[j], k.s[j]) = split(k.f[2 * j], k.f[2 * j + 1]);
     }
     // The chunk's `cd`, `sd` (`fill_half_avx2`'s layout): the even pairs of 0–15 and of 16–31,
     // then their odd pairs; a 16-pair bf16 step takes its even and odd pairs' values.
+    let (c, s) = (k.c, k.s);
     let ((ce0, co0), (ce1, co1)) = (split(c[0], c[1]), split(c[2], c[3]));
     let ((se0, so0), (se1, so1)) = (split(s[0], s[1]), split(s[2], s[3]));
-    Forms { c, s, d: [[ce0, co0, se0, so0], [ce1, co1, se1, so1]], f, fsw: [zero; 8] }
-}
-
-/// Prefetches the `bytes` at `p` into L1 (`prefetcht0`, one per 64 bytes; a hint: it reads and
-/// writes nothing, and an address outside the output, past the last head, is harmless). The
-/// token kernels call it on the next Q head's output before rotating a Q head: the output rows
-/// are written without being read, and each of their stores that missed L1 waited for its line
-/// (Q rotates out of place; K, read before it is written, needs none). A line prefetched this
-/// way arrives unshared, so the store needs no further request. Measured with the data in L2
-/// (AMD Zen 5, one core, binaries alternated three or four times): 64 Qwen-shaped bf16 tokens
-/// 2.12–2.22 → 2.01–2.07 µs, 512 tokens 19.7–20.1 → 19.3–19.8 µs, 64 Llama-shaped 11.2–11.5 →
-/// 11.0–11.3 µs; no change beyond the noise on calls out of L2 (512 and 4096 Llama-shaped
-/// tokens). `prefetchw` (by `asm!`) measured the same; two heads ahead, or four lines ahead of
-/// the head being stored, no better; prefetching the next head's input as well, no better. The
-/// AVX2 token kernel does not: forced on the same core, 2.4× slower per head, it measured no
-/// change (64 Qwen-shaped tokens 4.87–4.92 µs either way).
-#[inline(always)]
-fn prefetch_out(p: *mut u8, bytes: usize) {
-    let mut at = 0;
-    while at < bytes {
-        super::prefetch_t0(p.wrapping_add(at).cast_const());
-        at += 64;
-    }
+    (k.d[0], k.d[1]) = ([ce0, co0, se0, so0], [ce1, co1, se1, so1]);
+    k
 }
 
 /// Whether [`heads_half_avx512`] handles a call: half-split, `F32` math, a rotary half `hh` of
 /// whole vectors of `kind` (32 pairs for bf16, 16 otherwise).
 pub(crate) fn half_fast_path(kind: u8, interleaved: bool, r: Round, hh: usize) -> bool {
     !interleaved && r == Round::None && hh > 0 && hh.is_multiple_of(if kind == BF16 { 32 } else { 16 })
-}
-
-// ---------------------------------------------------------------------------------------------
-// The kernels, written once over `Lanes` (AVX2: 8 f32 lanes, AVX-512: 16). Each public entry
-// point below is a `#[target_feature]` function that instantiates a generic body with its
-// level's `Lanes`; the bodies are `#[inline(always)]`, so every `Lanes` method (itself a
-// `#[target_feature]` function of that level) inlines into the entry point.
-
-/// The half-split forms of one 32-pair chunk of a freqs row, in registers (as many of each array
-/// as the level's vectors need; the rest unused): `c`, `s` of pairs `L·j .. L·j + L`; per bf16
-/// half-split step `j` (each covers `2L` pairs), `d[j] = [ce, co, se, so]`, the `cd`, `sd` values
-/// of its even and odd pairs ([`RopeRow::fill`]'s per-32-pair de-interleaving); and `f`, the 64
-/// freqs themselves (`c0, s0, c1, s1, …`: the interleaved kernels' `f` form), `L` per vector;
-/// `fsw`, `f` with each (c, s) pair swapped (exact), where the token kernels need it.
-#[derive(Clone, Copy)]
-struct Forms<V> {
-    c: [V; 4],
-    s: [V; 4],
-    d: [[V; 4]; 2],
-    f: [V; 8],
-    fsw: [V; 8],
-}
-
-/// The vector operations the kernels are written with, one implementation per x86 level.
-///
-/// # Safety
-/// Every method requires its level's features (AVX2, FMA, F16C for [`Avx2`]; AVX-512 F and BW
-/// as well for [`Avx512`]); pointer arguments as each says.
-trait Lanes {
-    /// A vector of `L` f32.
-    type V: Copy;
-    /// What a run of bf16 joins records for a later check (AVX-512's `vcvtne2ps2bf16` joins;
-    /// nothing on AVX2).
-    type Acc: Copy;
-    /// f32 lanes per vector.
-    const L: usize;
-    /// Whether the token kernels prefetch the next Q head's output ([`prefetch_out`]).
-    const PREFETCH_OUT: bool;
-
-    /// All lanes 0.
-    unsafe fn zero() -> Self::V;
-    /// `L` f32 at `p`.
-    unsafe fn loadu(p: *const f32) -> Self::V;
-    /// `L` elements of kind `K` at `p`, widened exactly.
-    unsafe fn load<const K: u8>(p: *const u8) -> Self::V;
-    /// `L` elements of kind `K` at `p`, each rounded once (round to nearest even).
-    unsafe fn store<const K: u8>(p: *mut u8, v: Self::V);
-    unsafe fn round(v: Self::V, r: Round) -> Self::V;
-    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
-    /// `a · b + c`, one rounding.
-    unsafe fn fmadd(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
-    /// `−v` (exact).
-    unsafe fn neg(v: Self::V) -> Self::V;
-    /// `−v` in the even lanes, `v` in the odd ones (exact).
-    unsafe fn neg_even(v: Self::V) -> Self::V;
-    /// Each even lane duplicated into the odd lane after it (`moveldup`).
-    unsafe fn dup_even(v: Self::V) -> Self::V;
-    /// Each odd lane duplicated into the even lane before it (`movehdup`).
-    unsafe fn dup_odd(v: Self::V) -> Self::V;
-    /// The two lanes of each pair swapped (exact).
-    unsafe fn swap_pairs(v: Self::V) -> Self::V;
-    /// The even and odd bf16 elements of `2L` at `p`, widened (exact), rounded as `r` says.
-    unsafe fn split_bf16(p: *const u8, r: Round) -> (Self::V, Self::V);
-    /// Stores the even `e` and odd `o` lanes as `2L` bf16 at `p`, each rounded once; `CVT` and
-    /// `ACC` as AVX-512's [`join_bf16_with`] (ignored where the level has no such join).
-    unsafe fn join_bf16<const CVT: bool, const ACC: bool>(p: *mut u8, e: Self::V, o: Self::V, acc: &mut Self::Acc);
-    /// An empty record.
-    unsafe fn acc_new() -> Self::Acc;
-    /// Whether a recorded join stored a ±0 word (the joins must then be redone).
-    unsafe fn acc_hit(acc: Self::Acc) -> bool;
-    /// The [`Forms`] of the 64 freqs of kind `KF` at `p`: widened exactly, NaN made the default
-    /// NaN where `canon`, de-interleaved as [`RopeRow::fill`] does.
-    unsafe fn forms<const KF: u8>(p: *const u8, canon: bool) -> Forms<Self::V>;
-}
-
-/// Element size in bytes of a kind.
-const fn size(kind: u8) -> usize {
-    if kind == F32 { 4 } else { 2 }
-}
-
-/// One rotation step on pairs: the oracle's operations, rounded after each as `r` says.
-#[inline(always)]
-unsafe fn rot<S: Lanes>(x0: S::V, x1: S::V, c: S::V, s: S::V, r: Round) -> (S::V, S::V) {
-    // SAFETY: register operations of the caller's level.
-    unsafe {
-        let t1 = S::round(S::mul(x1, s), r);
-        let y0 = S::round(S::fmadd(x0, c, S::neg(t1)), r);
-        let t2 = S::round(S::mul(x1, c), r);
-        let y1 = S::round(S::fmadd(x0, s, t2), r);
-        (y0, y1)
-    }
-}
-
-/// One interleaved step on `L` elements (`L/2` pairs) already loaded: `t = X1 · fsw`, then
-/// `fma(X0, f, (−t_even, t_odd))`, rounded as `r` says.
-#[inline(always)]
-unsafe fn inter<S: Lanes>(v: S::V, f: S::V, fsw: S::V, r: Round) -> S::V {
-    // SAFETY: register operations of the caller's level.
-    unsafe {
-        let (x0, x1) = (S::dup_even(v), S::dup_odd(v));
-        let t = S::neg_even(S::round(S::mul(x1, fsw), r));
-        S::round(S::fmadd(x0, f, t), r)
-    }
-}
-
-/// `RopeRow` rotation of an f32 buffer (`rotate_avx512`, `rotate_avx2`).
-///
-/// # Safety
-/// The level's features; `row` holds the forms of `x.len()` rotary dims.
-#[inline(always)]
-unsafe fn rotate<S: Lanes>(x: &mut [f32], row: &RopeRow<'_>, interleaved: bool, r: Round) {
-    let (rd, l) = (x.len(), S::L);
-    let xp = x.as_mut_ptr();
-    if interleaved {
-        let mut i = 0;
-        while i + l <= rd {
-            // SAFETY: lanes i .. i + L of x, f and fsw (all rd long).
-            unsafe {
-                let v = S::round(S::loadu(xp.add(i)), r);
-                let y = inter::<S>(v, S::loadu(row.f.as_ptr().add(i)), S::loadu(row.fsw.as_ptr().add(i)), r);
-                S::store::<F32>(xp.add(i).cast(), y);
-            }
-            i += l;
-        }
-        for p in i / 2..rd / 2 {
-            let (y0, y1) = pair(x[2 * p], x[2 * p + 1], row.c[p], row.s[p], r);
-            x[2 * p] = y0;
-            x[2 * p + 1] = y1;
-        }
-    } else {
-        let h = rd / 2;
-        let mut i = 0;
-        while i + l <= h {
-            // SAFETY: lanes i .. i + L of the halves (h long) and of c, s (h long).
-            unsafe {
-                let x0 = S::round(S::loadu(xp.add(i)), r);
-                let x1 = S::round(S::loadu(xp.add(h + i)), r);
-                let (c, s) = (S::loadu(row.c.as_ptr().add(i)), S::loadu(row.s.as_ptr().add(i)));
-                let (y0, y1) = rot::<S>(x0, x1, c, s, r);
-                S::store::<F32>(xp.add(i).cast(), y0);
-                S::store::<F32>(xp.add(h + i).cast(), y1);
-            }
-            i += l;
-        }
-        for p in i..h {
-            let (y0, y1) = pair(x[p], x[p + h], row.c[p], row.s[p], r);
-            x[p] = y0;
-            x[p + h] = y1;
-        }
-    }
-}
-
-/// One half-split bf16 step of `2L` pairs at pair `i` with the forms in registers
-/// (`[ce, co, se, so]`, the even and odd pairs' `cd` and `sd` values): both halves (`hh` apart)
-/// of a head from `from` into `base`.
-///
-/// # Safety
-/// The level's features (and AVX-512 BF16 when `CVT`); `i + 2L ≤ hh`; both halves readable at
-/// `from` and writable at `base` (the same head or non-overlapping).
-#[inline(always)]
-unsafe fn half_step_bf16<S: Lanes, const CVT: bool, const ACC: bool>(
-    (from, base): (*const u8, *mut u8),
-    hh: usize,
-    i: usize,
-    f: [S::V; 4],
-    r: Round,
-    acc: &mut S::Acc,
-) {
-    let [ce, co, se, so] = f;
-    // SAFETY: the caller's contract covers every address below.
-    unsafe {
-        let (x0e, x0o) = S::split_bf16(from.add(i * 2), r);
-        let (x1e, x1o) = S::split_bf16(from.add((hh + i) * 2), r);
-        let (y0e, y1e) = rot::<S>(x0e, x1e, ce, se, r);
-        let (y0o, y1o) = rot::<S>(x0o, x1o, co, so, r);
-        S::join_bf16::<CVT, ACC>(base.add(i * 2), y0e, y0o, acc);
-        S::join_bf16::<CVT, ACC>(base.add((hh + i) * 2), y1e, y1o, acc);
-    }
-}
-
-/// [`half_step_bf16`] with its forms read from `cd`, `sd` (`hh` values each, de-interleaved per
-/// 32 pairs: the step's even pairs at `i / 32 · 32 + i % 32 / 2`, its odd ones 16 further).
-///
-/// # Safety
-/// As [`half_step_bf16`]; the 32-pair chunk of `i` lies within `hh`.
-#[inline(always)]
-unsafe fn half_step_bf16_mem<S: Lanes, const CVT: bool>(
-    fb: (*const u8, *mut u8),
-    hh: usize,
-    i: usize,
-    (cd, sd): (*const f32, *const f32),
-    r: Round,
-) {
-    let (ev, od) = (i / 32 * 32 + i % 32 / 2, i / 32 * 32 + 16 + i % 32 / 2);
-    // SAFETY: the caller's contract covers every address below (od + L ≤ hh).
-    unsafe {
-        let f = [S::loadu(cd.add(ev)), S::loadu(cd.add(od)), S::loadu(sd.add(ev)), S::loadu(sd.add(od))];
-        half_step_bf16::<S, CVT, false>(fb, hh, i, f, r, &mut S::acc_new());
-    }
-}
-
-/// One half-split step of `L` pairs of kind `K` at pair `i`, with the forms `c`, `s` of those
-/// pairs.
-///
-/// # Safety
-/// The level's features; `i + L ≤ hh`; both halves readable at `from` and writable at `base`.
-#[inline(always)]
-unsafe fn half_step<S: Lanes, const K: u8>(
-    (from, base): (*const u8, *mut u8),
-    hh: usize,
-    i: usize,
-    c: S::V,
-    s: S::V,
-    r: Round,
-) {
-    let sz = size(K);
-    // SAFETY: the caller's contract covers every address below.
-    unsafe {
-        let x0 = S::round(S::load::<K>(from.add(i * sz)), r);
-        let x1 = S::round(S::load::<K>(from.add((hh + i) * sz)), r);
-        let (y0, y1) = rot::<S>(x0, x1, c, s, r);
-        S::store::<K>(base.add(i * sz), y0);
-        S::store::<K>(base.add((hh + i) * sz), y1);
-    }
-}
-
-/// The general heads kernel (`heads_avx512`, `heads_avx2`): the rotary region of `heads` heads
-/// of `d` elements of kind `K` from `src` into `x`, pairing and rounding decided at run time.
-/// Returns the pairs per head left to the caller (a tail shorter than a vector).
-///
-/// # Safety
-/// As `heads_avx512`, with the level's features.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn heads_any<S: Lanes, const K: u8>(
-    src: *const u8,
-    x: *mut u8,
-    heads: usize,
-    d: usize,
-    rd: usize,
-    row: &RopeRow<'_>,
-    interleaved: bool,
-    r: Round,
-) -> usize {
-    let (sz, l) = (size(K), S::L);
-    let at = if interleaved { d - rd } else { 0 };
-    let hh = rd / 2;
-    let done = if interleaved { rd / l * l } else { hh / l * l };
-    // bf16: 2L elements per step split into even / odd lanes by a shift and a mask, and stored by
-    // the level's join: no widening or narrowing instruction (those were port-5 bound). Half-split
-    // steps read `cd`, `sd`, de-interleaved per 32 pairs, so they cover whole chunks of 32.
-    let start = match K {
-        BF16 if interleaved => rd / (2 * l) * (2 * l),
-        BF16 => hh / 32 * 32,
-        _ => 0,
-    };
-    // One pass over the heads, the pairing decided outside it (a head of Qwen's 64 dims is a
-    // single step: per-head overhead counts).
-    for h in 0..heads {
-        let (base, from) = (x.wrapping_add((h * d + at) * sz), src.wrapping_add((h * d + at) * sz));
-        if interleaved {
-            for i in (0..start).step_by(2 * l) {
-                // SAFETY: elements i .. i + 2L of the region (rd long), pairs i/2 .. i/2 + L of
-                // c and s (rd/2 long).
-                unsafe {
-                    let (x0, x1) = S::split_bf16(from.add(i * 2), r);
-                    let c = S::loadu(row.c.as_ptr().add(i / 2));
-                    let s = S::loadu(row.s.as_ptr().add(i / 2));
-                    let (y0, y1) = rot::<S>(x0, x1, c, s, r);
-                    S::join_bf16::<false, false>(base.add(i * 2), y0, y1, &mut S::acc_new());
-                }
-            }
-            for i in (start..done).step_by(l) {
-                // SAFETY: elements i .. i + L of the region; f and fsw are rd long.
-                unsafe {
-                    let v = S::round(S::load::<K>(from.add(i * sz)), r);
-                    let y = inter::<S>(v, S::loadu(row.f.as_ptr().add(i)), S::loadu(row.fsw.as_ptr().add(i)), r);
-                    S::store::<K>(base.add(i * sz), y);
-                }
-            }
-        } else {
-            let (cd, sd) = (row.cd.as_ptr(), row.sd.as_ptr());
-            for i in (0..start).step_by(2 * l) {
-                // SAFETY: elements i .. i + 2L of both halves (hh long, i + 2L ≤ start ≤ hh,
-                // start a multiple of 32, so the step's 32-pair chunk of cd and sd is whole).
-                unsafe { half_step_bf16_mem::<S, false>((from, base), hh, i, (cd, sd), r) };
-            }
-            for i in (start..done).step_by(l) {
-                // SAFETY: elements i .. i + L of both halves (hh long); c, s are hh long.
-                unsafe {
-                    let (c, s) = (S::loadu(row.c.as_ptr().add(i)), S::loadu(row.s.as_ptr().add(i)));
-                    half_step::<S, K>((from, base), hh, i, c, s, r);
-                }
-            }
-        }
-    }
-    if interleaved { done / 2 } else { done }
-}
-
-/// The general kernel's commonest cases on their own (`heads_half_avx512`, `heads_half_avx2`):
-/// half-split pairs, `F32` math, a rotary half of whole vectors ([`half_fast_path`]). The same
-/// operations as [`heads_any`], so the same bits.
-///
-/// # Safety
-/// As `heads_half_avx512`, with the level's features (and AVX-512 BF16 when `CVT`).
-#[inline(always)]
-unsafe fn heads_half<S: Lanes, const K: u8, const CVT: bool>(
-    src: *const u8,
-    x: *mut u8,
-    heads: usize,
-    d: usize,
-    hh: usize,
-    row: &RopeRow<'_>,
-) {
-    let sz = size(K);
-    let step = if K == BF16 { 2 * S::L } else { S::L };
-    debug_assert!(hh.is_multiple_of(if K == BF16 { 32 } else { 16 }) && 2 * hh <= d);
-    debug_assert!(row.c.len() == hh && row.s.len() == hh && row.cd.len() == hh && row.sd.len() == hh);
-    let (c, s, cd, sd) = (row.c.as_ptr(), row.s.as_ptr(), row.cd.as_ptr(), row.sd.as_ptr());
-    for h in 0..heads {
-        let fb = (src.wrapping_add(h * d * sz), x.wrapping_add(h * d * sz));
-        let mut i = 0;
-        while i < hh {
-            // SAFETY: elements i .. i + step of both halves of head h (i + step ≤ hh, hh + hh ≤
-            // d); for bf16 the 32-pair chunk of i lies within hh (a multiple of 32); the forms
-            // are hh long each.
-            unsafe {
-                if K == BF16 {
-                    half_step_bf16_mem::<S, CVT>(fb, hh, i, (cd, sd), Round::None);
-                } else {
-                    half_step::<S, K>(fb, hh, i, S::loadu(c.add(i)), S::loadu(s.add(i)), Round::None);
-                }
-            }
-            i += step;
-        }
-    }
-}
-
-/// The token kernels' heads: `heads` heads of `64 N` dims of kind `K` from `src` into `x` in
-/// `F32` math, half-split or interleaved (`INTER`), with the forms of the `N` 32-pair chunks in
-/// registers. Out of place (the Q heads), the next head's output is prefetched where the level
-/// does.
-///
-/// # Safety
-/// The level's features (and AVX-512 BF16 when `CVT`); `src` and `x` each hold `heads · 64 N`
-/// elements of kind `K` and either are the same pointer or do not overlap.
-#[inline(always)]
-unsafe fn heads_regs<S: Lanes, const K: u8, const N: usize, const CVT: bool, const ACC: bool, const INTER: bool>(
-    src: *const u8,
-    x: *mut u8,
-    heads: usize,
-    forms: &[Forms<S::V>; N],
-    acc: &mut S::Acc,
-) {
-    let (sz, l, d) = (size(K), S::L, 64 * N);
-    let hh = d / 2;
-    let out_of_place = src != x.cast_const();
-    for h in 0..heads {
-        let (from, base) = (src.wrapping_add(h * d * sz), x.wrapping_add(h * d * sz));
-        if S::PREFETCH_OUT && out_of_place {
-            prefetch_out(base.wrapping_add(d * sz), d * sz);
-        }
-        for (b, f) in forms.iter().enumerate() {
-            // SAFETY: every step below stays within head h's 64 N elements: half-split pairs
-            // 32 b .. 32 b + 32 of both halves (32 b + 32 ≤ hh), interleaved elements 64 b ..
-            // 64 b + 64 (≤ d).
-            unsafe {
-                match (INTER, K) {
-                    (false, BF16) => {
-                        for j in 0..16 / l {
-                            let i = 32 * b + 2 * l * j;
-                            half_step_bf16::<S, CVT, ACC>((from, base), hh, i, f.d[j], Round::None, acc);
-                        }
-                    }
-                    (false, _) => {
-                        for j in 0..32 / l {
-                            half_step::<S, K>((from, base), hh, 32 * b + l * j, f.c[j], f.s[j], Round::None);
-                        }
-                    }
-                    (true, BF16) => {
-                        for j in 0..32 / l {
-                            let i = 64 * b + 2 * l * j;
-                            let (x0, x1) = S::split_bf16(from.add(i * 2), Round::None);
-                            let (y0, y1) = rot::<S>(x0, x1, f.c[j], f.s[j], Round::None);
-                            S::join_bf16::<CVT, ACC>(base.add(i * 2), y0, y1, acc);
-                        }
-                    }
-                    (true, _) => {
-                        for j in 0..64 / l {
-                            let i = 64 * b + l * j;
-                            let y = inter::<S>(S::load::<K>(from.add(i * sz)), f.f[j], f.fsw[j], Round::None);
-                            S::store::<K>(base.add(i * sz), y);
-                        }
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// The [`Forms`] of a freqs row's `N` 32-pair chunks (chunk `b`'s 64 freqs of kind `KF` at
-/// element `64 b`), with `fsw` where `swap`. A plain loop, not `array::from_fn` or `map`: a
-/// closure here does not inherit the entry point's target features, so the level's methods
-/// inside it were calls (measured: 64 Qwen-shaped bf16 tokens 2.05 → 2.45 µs on AVX-512, Zen 5).
-///
-/// # Safety
-/// The level's features; `64 N` elements of kind `KF` at `freqs`.
-#[inline(always)]
-unsafe fn row_forms<S: Lanes, const KF: u8, const N: usize>(
-    freqs: *const u8,
-    canon: bool,
-    swap: bool,
-) -> [Forms<S::V>; N] {
-    // SAFETY: register operations of the caller's level.
-    let z = unsafe { S::zero() };
-    let mut forms = [Forms { c: [z; 4], s: [z; 4], d: [[z; 4]; 2], f: [z; 8], fsw: [z; 8] }; N];
-    for (b, f) in forms.iter_mut().enumerate() {
-        // SAFETY: chunk b's 64 freqs lie within the caller's 64 N.
-        *f = unsafe { S::forms::<KF>(freqs.add(64 * b * size(KF)), canon) };
-        if swap {
-            for j in 0..64 / S::L {
-                // SAFETY: a register operation of the caller's level.
-                f.fsw[j] = unsafe { S::swap_pairs(f.f[j]) };
-            }
-        }
-    }
-    forms
-}
-
-/// The token kernels (`token_avx512`, `token_avx2`): `tokens` consecutive tokens, each one's
-/// freqs row read once into registers, its Q heads from `q` into `out` and its K heads in place
-/// at `k` (see `token_avx512` for `CVT` and the contract).
-///
-/// # Safety
-/// As `token_avx512`, with the level's features (and AVX-512 BF16 when `CVT`).
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn token<
-    S: Lanes,
-    const KQ: u8,
-    const KK: u8,
-    const KF: u8,
-    const N: usize,
-    const CVT: bool,
-    const INTER: bool,
->(
-    freqs: *const u8,
-    (q, out, hq): (*const u8, *mut u8, usize),
-    (k, hk): (*mut u8, usize),
-    tokens: usize,
-    k_stride: usize,
-) {
-    let (fsize, qrow, krow) = (size(KF), hq * 64 * N * size(KQ), k_stride * size(KK));
-    // `fsw` (f16 and f32, interleaved) only where a kernel reads it.
-    let swap = INTER && (KQ != BF16 || KK != BF16);
-    for t in 0..tokens {
-        // SAFETY: token t's freqs, Q, output and K rows as the contract says (chunk b's 64 freqs
-        // at 64 b of the row's 64 N, b < N).
-        unsafe {
-            let (freqs, q, out, k) =
-                (freqs.add(t * 64 * N * fsize), q.add(t * qrow), out.add(t * qrow), k.add(t * krow));
-            let forms = row_forms::<S, KF, N>(freqs, !CVT, swap);
-            // The Q heads (rotated out of place, so `q` still holds their inputs) by the
-            // conversion with its ±0 words recorded in `acc`; where any came out ±0 (a flushed
-            // subnormal, or a true zero), all of the token's Q heads again by the integer join,
-            // from the canonical forms it needs. The K heads, rotated in place, check each
-            // vector. Without `CVT`, `acc` is not touched.
-            let mut acc = S::acc_new();
-            heads_regs::<S, KQ, N, CVT, true, INTER>(q, out, hq, &forms, &mut acc);
-            if CVT && S::acc_hit(acc) {
-                let forms = row_forms::<S, KF, N>(freqs, true, swap);
-                heads_regs::<S, KQ, N, false, false, INTER>(q, out, hq, &forms, &mut acc);
-            }
-            heads_regs::<S, KK, N, CVT, false, INTER>(k, k, hk, &forms, &mut acc);
-        }
-    }
 }
 
 /// The AVX-512 level's [`Lanes`]: 16 lanes; bf16 stored by [`join_bf16_with`] (the `CVT`
@@ -1142,200 +643,120 @@ struct Avx512;
 impl Lanes for Avx512 {
     type V = __m512;
     type Acc = __m512i;
+    type Forms = Forms512;
     const L: usize = 16;
     const PREFETCH_OUT: bool = true;
+    const LD2: bool = false;
 
-    #[target_feature(enable = "avx512f,avx512bw")]
-    #[inline]
-    unsafe fn zero() -> __m512 {
-        _mm512_setzero_ps()
+    level_fns! { "avx512f,avx512bw";
+        unsafe fn loadu(p: *const f32) -> __m512 {
+            // SAFETY: the caller guarantees 16 f32 at p.
+            unsafe { _mm512_loadu_ps(p) }
+        }
+        unsafe fn load<const K: u8>(p: *const u8) -> __m512 {
+            // SAFETY: the caller guarantees 16 elements of kind K at p.
+            unsafe { load512::<K>(p) }
+        }
+        unsafe fn store<const K: u8>(p: *mut u8, v: __m512) -> () {
+            // SAFETY: the caller guarantees room for 16 elements of kind K at p.
+            unsafe { store512::<K>(p, v) }
+        }
+        unsafe fn round(v: __m512, r: Round) -> __m512 { round512(v, r) }
+        unsafe fn mul(a: __m512, b: __m512) -> __m512 { _mm512_mul_ps(a, b) }
+        unsafe fn fmadd(a: __m512, b: __m512, c: __m512) -> __m512 { _mm512_fmadd_ps(a, b, c) }
+        unsafe fn fnmadd(a: __m512, b: __m512, c: __m512) -> __m512 { _mm512_fnmadd_ps(a, b, c) }
+        unsafe fn neg(v: __m512) -> __m512 { xor512(v, _mm512_set1_ps(-0.0)) }
+        unsafe fn neg_even(v: __m512) -> __m512 { xor512(v, _mm512_castsi512_ps(_mm512_set1_epi64(0x8000_0000))) }
+        unsafe fn dup_even(v: __m512) -> __m512 { _mm512_moveldup_ps(v) }
+        unsafe fn dup_odd(v: __m512) -> __m512 { _mm512_movehdup_ps(v) }
+        unsafe fn swap_pairs(v: __m512) -> __m512 { _mm512_permute_ps::<0b10_11_00_01>(v) }
+        unsafe fn split_bf16(p: *const u8, r: Round) -> (__m512, __m512) {
+            // SAFETY: the caller guarantees 64 bytes at p.
+            unsafe { split_bf16(p, r) }
+        }
+        unsafe fn join_bf16<const CVT: bool, const ACC: bool>(p: *mut u8, e: __m512, o: __m512, acc: &mut __m512i) -> () {
+            // SAFETY: the caller's contract is `join_bf16_with`'s.
+            unsafe { join_bf16_with::<CVT, ACC>(p, e, o, acc) }
+        }
+        unsafe fn acc_new() -> __m512i { _mm512_set1_epi16(-1) }
+        unsafe fn acc_hit(acc: __m512i) -> bool { _mm512_testn_epi16_mask(acc, acc) != 0 }
+        unsafe fn forms_zero() -> Forms512 {
+            let z = _mm512_setzero_ps();
+            Forms { c: [z; 2], s: [z; 2], d: [[z; 4]; 1], f: [z; 4], fsw: [z; 4] }
+        }
+        unsafe fn forms<const KF: u8>(p: *const u8, canon: bool) -> Forms512 {
+            // SAFETY: the caller guarantees 64 elements of kind KF at p.
+            unsafe { chunk_forms::<KF>(p, canon) }
+        }
+        unsafe fn load2<const K: u8>(_p: *const u8) -> (__m512, __m512) { unreachable!("no LD2 on x86") }
+        unsafe fn store2<const K: u8>(_p: *mut u8, _y0: __m512, _y1: __m512) -> () { unreachable!("no LD2 on x86") }
     }
-    #[target_feature(enable = "avx512f,avx512bw")]
-    #[inline]
-    unsafe fn loadu(p: *const f32) -> __m512 {
-        // SAFETY: the caller guarantees 16 f32 at p.
-        unsafe { _mm512_loadu_ps(p) }
-    }
-    #[target_feature(enable = "avx512f,avx512bw")]
-    #[inline]
-    unsafe fn load<const K: u8>(p: *const u8) -> __m512 {
-        // SAFETY: the caller guarantees 16 elements at p.
-        unsafe { load512::<K>(p) }
-    }
-    #[target_feature(enable = "avx512f,avx512bw")]
-    #[inline]
-    unsafe fn store<const K: u8>(p: *mut u8, v: __m512) {
-        // SAFETY: the caller guarantees room for 16 elements at p.
-        unsafe { store512::<K>(p, v) }
-    }
-    #[target_feature(enable = "avx512f,avx512bw")]
-    #[inline]
-    unsafe fn round(v: __m512, r: Round) -> __m512 {
-        round512(v, r)
-    }
-    #[target_feature(enable = "avx512f,avx512bw")]
-    #[inline]
-    unsafe fn mul(a: __m512, b: __m512) -> __m512 {
-        _mm512_mul_ps(a, b)
-    }
-    #[target_feature(enable = "avx512f,avx512bw")]
-    #[inline]
-    unsafe fn fmadd(a: __m512, b: __m512, c: __m512) -> __m512 {
-        _mm512_fmadd_ps(a, b, c)
-    }
-    #[target_feature(enable = "avx512f,avx512bw")]
-    #[inline]
-    unsafe fn neg(v: __m512) -> __m512 {
-        xor512(v, _mm512_set1_ps(-0.0))
-    }
-    #[target_feature(enable = "avx512f,avx512bw")]
-    #[inline]
-    unsafe fn neg_even(v: __m512) -> __m512 {
-        xor512(v, _mm512_castsi512_ps(_mm512_set1_epi64(0x8000_0000)))
-    }
-    #[target_feature(enable = "avx512f,avx512bw")]
-    #[inline]
-    unsafe fn dup_even(v: __m512) -> __m512 {
-        _mm512_moveldup_ps(v)
-    }
-    #[target_feature(enable = "avx512f,avx512bw")]
-    #[inline]
-    unsafe fn dup_odd(v: __m512) -> __m512 {
-        _mm512_movehdup_ps(v)
-    }
-    #[target_feature(enable = "avx512f,avx512bw")]
-    #[inline]
-    unsafe fn swap_pairs(v: __m512) -> __m512 {
-        _mm512_permute_ps::<0b10_11_00_01>(v)
-    }
-    #[target_feature(enable = "avx512f,avx512bw")]
-    #[inline]
-    unsafe fn split_bf16(p: *const u8, r: Round) -> (__m512, __m512) {
-        // SAFETY: the caller guarantees 64 bytes at p.
-        unsafe { split_bf16(p, r) }
-    }
-    #[target_feature(enable = "avx512f,avx512bw")]
-    #[inline]
-    unsafe fn join_bf16<const CVT: bool, const ACC: bool>(p: *mut u8, e: __m512, o: __m512, acc: &mut __m512i) {
-        // SAFETY: the caller's contract is `join_bf16_with`'s.
-        unsafe { join_bf16_with::<CVT, ACC>(p, e, o, acc) }
-    }
-    #[target_feature(enable = "avx512f,avx512bw")]
-    #[inline]
-    unsafe fn acc_new() -> __m512i {
-        _mm512_set1_epi16(-1)
-    }
-    #[target_feature(enable = "avx512f,avx512bw")]
-    #[inline]
-    unsafe fn acc_hit(acc: __m512i) -> bool {
-        _mm512_testn_epi16_mask(acc, acc) != 0
-    }
-    #[target_feature(enable = "avx512f,avx512bw")]
-    #[inline]
-    unsafe fn forms<const KF: u8>(p: *const u8, canon: bool) -> Forms<__m512> {
-        // SAFETY: the caller guarantees 64 elements of kind KF at p.
-        unsafe { chunk_forms::<KF>(p, canon) }
+
+    #[inline(always)]
+    fn prefetch(p: *const u8) {
+        super::prefetch_t0(p);
     }
 }
 
 /// The AVX2 level's [`Lanes`]: 8 lanes; bf16 stored by [`join_bf16_256`] (no conversion, nothing
-/// recorded); no output prefetch (measured no gain: see [`prefetch_out`]).
+/// recorded); no output prefetch (measured no gain: see `rope_lanes::prefetch_out`).
 struct Avx2;
 
 impl Lanes for Avx2 {
     type V = __m256;
     type Acc = ();
+    type Forms = Forms256;
     const L: usize = 8;
     const PREFETCH_OUT: bool = false;
+    const LD2: bool = false;
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn zero() -> __m256 {
-        _mm256_setzero_ps()
+    level_fns! { "avx2,fma,f16c";
+        unsafe fn loadu(p: *const f32) -> __m256 {
+            // SAFETY: the caller guarantees 8 f32 at p.
+            unsafe { _mm256_loadu_ps(p) }
+        }
+        unsafe fn load<const K: u8>(p: *const u8) -> __m256 {
+            // SAFETY: the caller guarantees 8 elements of kind K at p.
+            unsafe { load256::<K>(p) }
+        }
+        unsafe fn store<const K: u8>(p: *mut u8, v: __m256) -> () {
+            // SAFETY: the caller guarantees room for 8 elements of kind K at p.
+            unsafe { store256::<K>(p, v) }
+        }
+        unsafe fn round(v: __m256, r: Round) -> __m256 { round256(v, r) }
+        unsafe fn mul(a: __m256, b: __m256) -> __m256 { _mm256_mul_ps(a, b) }
+        unsafe fn fmadd(a: __m256, b: __m256, c: __m256) -> __m256 { _mm256_fmadd_ps(a, b, c) }
+        unsafe fn fnmadd(a: __m256, b: __m256, c: __m256) -> __m256 { _mm256_fnmadd_ps(a, b, c) }
+        unsafe fn neg(v: __m256) -> __m256 { _mm256_xor_ps(v, _mm256_set1_ps(-0.0)) }
+        unsafe fn neg_even(v: __m256) -> __m256 { _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_set1_epi64x(0x8000_0000))) }
+        unsafe fn dup_even(v: __m256) -> __m256 { _mm256_moveldup_ps(v) }
+        unsafe fn dup_odd(v: __m256) -> __m256 { _mm256_movehdup_ps(v) }
+        unsafe fn swap_pairs(v: __m256) -> __m256 { _mm256_permute_ps::<0b10_11_00_01>(v) }
+        unsafe fn split_bf16(p: *const u8, r: Round) -> (__m256, __m256) {
+            // SAFETY: the caller guarantees 32 bytes at p.
+            unsafe { split_bf16_256(p, r) }
+        }
+        unsafe fn join_bf16<const CVT: bool, const ACC: bool>(p: *mut u8, e: __m256, o: __m256, _acc: &mut ()) -> () {
+            // SAFETY: the caller guarantees 32 bytes at p and NaNs as `join_bf16_256` needs.
+            unsafe { join_bf16_256(p, e, o) }
+        }
+        unsafe fn acc_new() -> () {}
+        unsafe fn acc_hit(_acc: ()) -> bool { false }
+        unsafe fn forms_zero() -> Forms256 {
+            let z = _mm256_setzero_ps();
+            Forms { c: [z; 4], s: [z; 4], d: [[z; 4]; 2], f: [z; 8], fsw: [z; 8] }
+        }
+        unsafe fn forms<const KF: u8>(p: *const u8, canon: bool) -> Forms256 {
+            // SAFETY: the caller guarantees 64 elements of kind KF at p.
+            unsafe { chunk_forms_256::<KF>(p, canon) }
+        }
+        unsafe fn load2<const K: u8>(_p: *const u8) -> (__m256, __m256) { unreachable!("no LD2 on x86") }
+        unsafe fn store2<const K: u8>(_p: *mut u8, _y0: __m256, _y1: __m256) -> () { unreachable!("no LD2 on x86") }
     }
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn loadu(p: *const f32) -> __m256 {
-        // SAFETY: the caller guarantees 8 f32 at p.
-        unsafe { _mm256_loadu_ps(p) }
-    }
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn load<const K: u8>(p: *const u8) -> __m256 {
-        // SAFETY: the caller guarantees 8 elements at p.
-        unsafe { load256::<K>(p) }
-    }
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn store<const K: u8>(p: *mut u8, v: __m256) {
-        // SAFETY: the caller guarantees room for 8 elements at p.
-        unsafe { store256::<K>(p, v) }
-    }
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn round(v: __m256, r: Round) -> __m256 {
-        round256(v, r)
-    }
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn mul(a: __m256, b: __m256) -> __m256 {
-        _mm256_mul_ps(a, b)
-    }
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn fmadd(a: __m256, b: __m256, c: __m256) -> __m256 {
-        _mm256_fmadd_ps(a, b, c)
-    }
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn neg(v: __m256) -> __m256 {
-        _mm256_xor_ps(v, _mm256_set1_ps(-0.0))
-    }
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn neg_even(v: __m256) -> __m256 {
-        _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_set1_epi64x(0x8000_0000)))
-    }
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn dup_even(v: __m256) -> __m256 {
-        _mm256_moveldup_ps(v)
-    }
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn dup_odd(v: __m256) -> __m256 {
-        _mm256_movehdup_ps(v)
-    }
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn swap_pairs(v: __m256) -> __m256 {
-        _mm256_permute_ps::<0b10_11_00_01>(v)
-    }
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn split_bf16(p: *const u8, r: Round) -> (__m256, __m256) {
-        // SAFETY: the caller guarantees 32 bytes at p.
-        unsafe { split_bf16_256(p, r) }
-    }
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn join_bf16<const CVT: bool, const ACC: bool>(p: *mut u8, e: __m256, o: __m256, _acc: &mut ()) {
-        // SAFETY: the caller guarantees 32 bytes at p and NaNs as `join_bf16_256` needs.
-        unsafe { join_bf16_256(p, e, o) }
-    }
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn acc_new() {}
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn acc_hit(_acc: ()) -> bool {
-        false
-    }
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn forms<const KF: u8>(p: *const u8, canon: bool) -> Forms<__m256> {
-        // SAFETY: the caller guarantees 64 elements of kind KF at p.
-        unsafe { chunk_forms_256::<KF>(p, canon) }
+
+    #[inline(always)]
+    fn prefetch(p: *const u8) {
+        super::prefetch_t0(p);
     }
 }
 
@@ -1396,7 +817,7 @@ pub(crate) unsafe fn heads_half_avx2<const K: u8>(
 /// the forms' round trip through memory and the per-token buffer (measured: see
 /// `crate::simd::rope::HalfRows`).
 ///
-/// `INTER`: interleaved pairs instead ([`heads_regs`]' interleaved steps: the same operations as
+/// `INTER`: interleaved pairs instead (`rope_lanes::heads_regs`' interleaved steps: the same operations as
 /// [`RopeRow::fill`] followed by [`heads_avx512`], interleaved, `F32`). `CVT`: bf16 heads stored
 /// by [`join_bf16_cvt`] (the same bits as [`join_bf16`]), and the freqs' NaNs left as they are
 /// rather than made the default NaN: the conversion keeps any NaN a NaN, and its fallback
