@@ -37,12 +37,12 @@ mod workers;
 pub use cache::{CacheShape, KvSel, KvWrite, PageTable, PagedKvCache, PagedKvCacheMut};
 pub use element::{DType, Element};
 pub use error::{Error, Expected, Result, TokenRef};
-pub use fast::{Exec, Isa, Par, QkvBshdPackedArgs, QkvFp4PackedArgs, QkvRaggedPackedArgs, Workers};
+pub use fast::{Exec, Isa, Par, QkvBshdPackedArgs, QkvFp4PackedArgs, QkvFp8PackedArgs, QkvRaggedPackedArgs, Workers};
 pub use formats::fp8::E4M3;
 pub use formats::{BlockFormat, QuantizedMatrix, QuantizedRef};
 pub use half::{bf16, f16};
-pub use kernels::{PackedPlainWeights, PackedWeights};
+pub use kernels::{PackedFp8Weights, PackedPlainWeights, PackedWeights};
 pub use ops::{
-    Accumulation, Freqs, FreqsElement, KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs,
-    QkvRope, RopeBshdArgs, RopeMath, RopeRaggedArgs, freqs_cis,
+    Accumulation, FP8_BLOCK, Fp8Granularity, Fp8Scales, Freqs, FreqsElement, KvStoreBshdArgs, KvStoreRaggedArgs,
+    QkvBshdArgs, QkvFp4Args, QkvFp8Args, QkvRaggedArgs, QkvRope, RopeBshdArgs, RopeMath, RopeRaggedArgs, freqs_cis,
 };

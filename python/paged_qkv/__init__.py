@@ -63,6 +63,7 @@ __all__ = [
     "pack_weight",
     "qkv_bshd",
     "qkv_fp4_ragged",
+    "qkv_fp8_ragged",
     "qkv_ragged",
     "quantize",
     "rope_bshd",
@@ -179,9 +180,13 @@ def save_case(path: Union[str, os.PathLike], case: Case) -> None:
         f.write(case.to_bytes())
 
 
-def make_case(op: str, model: str = "tiny", batch: int = 3, seed: int = 0, format: str = "nvfp4") -> Case:
-    """A realistic random case, as ``paged-qkv make-case`` writes it."""
-    op_, meta, tensors = _native.make_case(op, model, batch, seed, format)
+def make_case(
+    op: str, model: str = "tiny", batch: int = 3, seed: int = 0, format: str = "nvfp4", granularity: str = "tensor"
+) -> Case:
+    """A realistic random case, as ``paged-qkv make-case`` writes it (``format`` for
+    ``qkv_fp4_ragged``, ``granularity`` — ``"tensor"``, ``"channel"`` or ``"block"`` — for
+    ``qkv_fp8_ragged``)."""
+    op_, meta, tensors = _native.make_case(op, model, batch, seed, format, granularity)
     return Case(op_, {name: _from_wire(d, s, b) for (name, d, s, b) in tensors}, meta)
 
 
@@ -307,6 +312,30 @@ def qkv_fp4_ragged(
         hidden_state, input_scale, input_row_offsets, weight, weight_scale, kv_blocks, cache_lengths,
         kv_lookup_table, layer_idx, tensor_sf, format=format, q_dim=q_dim, output_dtype=output_dtype, rope=rope,
         mode=mode, threads=threads, out=out,
+    )
+
+
+def qkv_fp8_ragged(
+    hidden_state, input_scale, input_row_offsets, weight, weight_scale, kv_blocks, cache_lengths, kv_lookup_table,
+    layer_idx: int, *, bias=None, q_dim: Optional[int] = None, output_dtype: Optional[str] = None,
+    rope: Optional[Mapping[str, Any]] = None, mode: str = "exact", threads: Optional[int] = None, out=None,
+):
+    """MAX's FP8 W8A8 fused QKV (``_fused_qkv_ragged_matmul_scaled_float8``, op
+    ``mo.fused_qkv_matmul.ragged.paged.scale[.bias]``): E4M3 ``hidden_state [M, K]`` and
+    ``weight [N, K]`` (uint8 codes or ``float8_e4m3fn``; or a :class:`PackedWeight` packed with
+    ``format="fp8"``), float32 scales whose shapes give the granularity as MAX infers it:
+    ``[1, 1]`` both (per tensor); ``input_scale [1, M]`` and ``weight_scale [N, 1]`` (per
+    channel); ``[ceil(K/128), M]`` and ``[ceil(N/128), ceil(K/128)]`` (128-blocks). Returns Q
+    ``[M, q_dim]`` (bf16 unless ``output_dtype``/``out`` say otherwise) and writes K/V into
+    ``kv_blocks``.
+
+    As MAX: the sum is rounded to the output dtype, multiplied there by
+    ``r(r(input_scale) · r(weight_scale))`` (tensor, channel), ``bias [N]`` is added there, and K/V
+    take that value cast to the cache's dtype. ``rope`` as in :func:`qkv_fp4_ragged`."""
+    return _native.qkv_fp8_ragged(
+        hidden_state, input_scale, input_row_offsets, weight, weight_scale, kv_blocks, cache_lengths,
+        kv_lookup_table, layer_idx, bias=bias, q_dim=q_dim, output_dtype=output_dtype, rope=rope, mode=mode,
+        threads=threads, out=out,
     )
 
 

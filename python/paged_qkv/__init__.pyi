@@ -60,6 +60,25 @@ def qkv_fp4_ragged(
     threads: Optional[int] = None,
     out: Optional[ArrayLike] = None,
 ) -> Any: ...
+def qkv_fp8_ragged(
+    hidden_state: ArrayLike,
+    input_scale: ArrayLike,
+    input_row_offsets: ArrayLike,
+    weight: Union[ArrayLike, PackedWeight],
+    weight_scale: ArrayLike,
+    kv_blocks: ArrayLike,
+    cache_lengths: ArrayLike,
+    kv_lookup_table: ArrayLike,
+    layer_idx: int,
+    *,
+    bias: Optional[ArrayLike] = None,
+    q_dim: Optional[int] = None,
+    output_dtype: Optional[str] = None,
+    rope: Optional[RopeArgs] = None,
+    mode: Mode = "exact",
+    threads: Optional[int] = None,
+    out: Optional[ArrayLike] = None,
+) -> Any: ...
 def qkv_ragged(
     hidden_state: ArrayLike,
     input_row_offsets: ArrayLike,
@@ -161,7 +180,9 @@ class Case:
 
 def load_case(source: Union[str, os.PathLike, bytes]) -> Case: ...
 def save_case(path: Union[str, os.PathLike], case: Case) -> None: ...
-def make_case(op: str, model: str = "tiny", batch: int = 3, seed: int = 0, format: str = "nvfp4") -> Case: ...
+def make_case(
+    op: str, model: str = "tiny", batch: int = 3, seed: int = 0, format: str = "nvfp4", granularity: str = "tensor"
+) -> Case: ...
 
 class Report:
     passed: bool

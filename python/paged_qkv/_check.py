@@ -17,13 +17,14 @@ from . import _native
 from ._report import Report
 
 ULP_BUCKETS = (0, 1, 2, 4, 8, 16, 256)
-_RAGGED = ("qkv_fp4_ragged", "qkv_ragged", "rope_ragged", "kv_store_ragged")
+_RAGGED = ("qkv_fp4_ragged", "qkv_fp8_ragged", "qkv_ragged", "rope_ragged", "kv_store_ragged")
 _PADDED = ("qkv_bshd", "rope_bshd", "kv_store_bshd")
-_QKV = ("qkv_fp4_ragged", "qkv_ragged", "qkv_bshd")
+_QKV = ("qkv_fp4_ragged", "qkv_fp8_ragged", "qkv_ragged", "qkv_bshd")
 _ROPE = ("rope_bshd", "rope_ragged")
 _STORES = ("kv_store_ragged", "kv_store_bshd")
 _ROWS_FROM = {
     "qkv_fp4_ragged": "hidden_state",
+    "qkv_fp8_ragged": "hidden_state",
     "qkv_ragged": "hidden_state",
     "qkv_bshd": "hidden_state",
     "rope_bshd": "q_proj",

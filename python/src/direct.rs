@@ -6,16 +6,16 @@
 //! everything before it writes: on any error nothing was written. Slices are made only through
 //! [`crate::mem`], which holds the facts that make them sound.
 
-use crate::array::{Arg, Desc, Float, float_of, indices, shape_str, type_err, value_err, zeros};
+use crate::array::{Arg, Desc, Float, bytes_of, float_of, indices, shape_str, type_err, value_err, zeros};
 use crate::mem::{Call, Held, Pod};
 use crate::packed::{Packed, PackedWeight, quantized_dims};
 use crate::pools;
-use paged_qkv::fast::{self, QkvBshdPackedArgs, QkvFp4PackedArgs, QkvRaggedPackedArgs};
+use paged_qkv::fast::{self, QkvBshdPackedArgs, QkvFp4PackedArgs, QkvFp8PackedArgs, QkvRaggedPackedArgs};
 use paged_qkv::ops::{Freqs, QkvRope};
 use paged_qkv::{
-    Accumulation, BlockFormat, CacheShape, E4M3, Exec, KvSel, KvStoreBshdArgs, KvStoreRaggedArgs, KvWrite, PageTable,
-    PagedKvCacheMut, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, QuantizedRef, RopeBshdArgs, RopeMath, RopeRaggedArgs,
-    bf16, f16, reference,
+    Accumulation, BlockFormat, CacheShape, E4M3, Exec, Fp8Scales, KvSel, KvStoreBshdArgs, KvStoreRaggedArgs, KvWrite,
+    PageTable, PagedKvCacheMut, QkvBshdArgs, QkvFp4Args, QkvFp8Args, QkvRaggedArgs, QuantizedRef, RopeBshdArgs,
+    RopeMath, RopeRaggedArgs, bf16, f16, reference,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -424,6 +424,7 @@ impl<'py> PlainW<'py> {
                         format!("a PackedWeight of {} (use qkv_fp4_ragged)", w.format().name()),
                     ));
                 }
+                Packed::Fp8(_) => return Err(type_err("weight", "a PackedWeight of fp8 (use qkv_fp8_ragged)")),
             };
             if pf != xt || pk != k {
                 return Err(value_err(
@@ -745,10 +746,8 @@ pub fn qkv_fp4_ragged<'py>(
     let weight_scale = weight_scale.filter(|s| !s.is_none());
     let (w, format) = if let Ok(p) = weight.cast::<PackedWeight>() {
         let Packed::Block(pw) = &p.get().inner else {
-            return Err(type_err(
-                "weight",
-                format!("a PackedWeight of {} (use qkv_ragged or qkv_bshd)", p.get().kind()),
-            ));
+            let op = if matches!(p.get().inner, Packed::Fp8(_)) { "qkv_fp8_ragged" } else { "qkv_ragged or qkv_bshd" };
+            return Err(type_err("weight", format!("a PackedWeight of {} (use {op})", p.get().kind())));
         };
         if weight_scale.is_some() {
             return Err(value_err("weight_scale", "must be None with a PackedWeight (it holds the scales)"));
@@ -855,6 +854,179 @@ fn block_ragged<O: Pod + paged_qkv::Element, C: Pod + paged_qkv::Element>(
                     match mode {
                         Mode::Fast => fast::qkv_fp4_ragged(&args, outs, kv, exec),
                         _ => reference::qkv_fp4_ragged(&args, outs, kv, mode.acc()),
+                    }
+                }
+            }
+            .map_err(fail)
+        })
+    })
+}
+
+/// An FP8 W8A8 weight: E4M3 codes, or a [`PackedWeight`] of format `fp8`.
+enum Fp8W<'py> {
+    Raw(Arg<'py>),
+    Packed(Bound<'py, PackedWeight>),
+}
+
+/// MAX's `_fused_qkv_ragged_matmul_scaled_float8` (see the Python docstring).
+#[pyfunction]
+#[pyo3(signature = (hidden_state, input_scale, input_row_offsets, weight, weight_scale, kv_blocks, cache_lengths, kv_lookup_table, layer_idx, *, bias=None, q_dim=None, output_dtype=None, rope=None, mode="exact", threads=None, out=None, repeat=1))]
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_fp8_ragged<'py>(
+    py: Python<'py>,
+    hidden_state: &Bound<'py, PyAny>,
+    input_scale: &Bound<'py, PyAny>,
+    input_row_offsets: &Bound<'py, PyAny>,
+    weight: &Bound<'py, PyAny>,
+    weight_scale: &Bound<'py, PyAny>,
+    kv_blocks: &Bound<'py, PyAny>,
+    cache_lengths: &Bound<'py, PyAny>,
+    kv_lookup_table: &Bound<'py, PyAny>,
+    layer_idx: usize,
+    bias: Option<&Bound<'py, PyAny>>,
+    q_dim: Option<usize>,
+    output_dtype: Option<&str>,
+    rope: Option<&Bound<'py, PyAny>>,
+    mode: &str,
+    threads: Option<usize>,
+    out: Option<&Bound<'py, PyAny>>,
+    repeat: usize,
+) -> PyResult<Bound<'py, PyAny>> {
+    let mode = mode_of(mode)?;
+    let c = CacheIn::new(kv_blocks, cache_lengths, kv_lookup_table, layer_idx)?;
+    let x = Arg::new(hidden_state, "hidden_state", false)?;
+    bytes_of(&x, "E4M3 codes")?;
+    let (m, k) = {
+        let s = x.rank(2, "[M, K] E4M3 codes (hidden_state)")?;
+        (s[0], s[1])
+    };
+    let (w, n, wk) = if let Ok(p) = weight.cast::<PackedWeight>() {
+        let Packed::Fp8(pw) = &p.get().inner else {
+            return Err(type_err("weight", format!("a PackedWeight of {} (pack with format=\"fp8\")", p.get().kind())));
+        };
+        let (n, wk) = (pw.rows(), pw.k());
+        (Fp8W::Packed(p.clone()), n, wk)
+    } else {
+        let a = Arg::new(weight, "weight", false)?;
+        bytes_of(&a, "E4M3 codes")?;
+        let s = a.rank(2, "[N, K] E4M3 codes (weight)")?.to_vec();
+        (Fp8W::Raw(a), s[0], s[1])
+    };
+    if wk != k {
+        return Err(value_err("weight", format!("has K = {wk}, hidden_state has K = {k}")));
+    }
+    let (xs, ws) = (Arg::new(input_scale, "input_scale", false)?, Arg::new(weight_scale, "weight_scale", false)?);
+    let (xsf, wsf) = (float_of(&xs, false)?, float_of(&ws, false)?);
+    // The granularity from the shapes, as MAX infers it (checked again on the values below).
+    let (ones_i, ones_w) = (vec![1f32; xs.shape.iter().product()], vec![1f32; ws.shape.iter().product()]);
+    Fp8Scales::infer((&ones_i, &xs.shape), (&ones_w, &ws.shape), (m, n, k)).map_err(fail)?;
+    let offs = Arg::new(input_row_offsets, "input_row_offsets", false)?;
+    offs.rank(1, "[batch + 1] (input_row_offsets)")?;
+    let bias = bias.filter(|b| !b.is_none()).map(|b| Arg::new(b, "bias", false)).transpose()?;
+    let bt = match &bias {
+        Some(b) => {
+            b.expect_shape(&[n])?;
+            Some(float_of(b, false)?)
+        }
+        None => None,
+    };
+    let q_dim = q_dim_of(q_dim, out, n, &c.shape)?;
+    let o = OutIn::new(py, out, output_dtype, Float::Bf16, &[m, q_dim])?;
+    let rope = rope.filter(|r| !r.is_none()).map(|r| RopeIn::new(r, c.shape.head_size(), true)).transpose()?;
+    let mut descs: Vec<(&Desc, bool)> = c.descs().to_vec();
+    descs.extend([(x.d(), false), (xs.d(), false), (ws.d(), false), (offs.d(), false), (o.arg.d(), true)]);
+    if let Fp8W::Raw(a) = &w {
+        descs.push((a.d(), false));
+    }
+    if let Some(b) = &bias {
+        descs.push((b.d(), false));
+    }
+    if let Some(r) = &rope {
+        r.push(&mut descs);
+    }
+    let call = Call::new(descs)?;
+    let (cd, xd, od, offd, rd) = (CacheD::of(&c), x.d(), o.arg.d(), offs.d(), rope.as_ref().map(|r| r.d()));
+    let sd = ((xs.d(), xsf), (ws.d(), wsf));
+    let wd: Result<&Desc, &PackedWeight> = match &w {
+        Fp8W::Raw(a) => Ok(a.d()),
+        Fp8W::Packed(p) => Err(p.get()),
+    };
+    let bd = bias.as_ref().map(|b| b.d());
+    let (of, kvf) = (o.of, c.kvf);
+    run(py, &call, threads, repeat, |exec, h| {
+        with_float_type!(bt.unwrap_or(Float::Bf16), B => with_float_type!(of, O => with_cache_type!(kvf, C => {
+            fp8_ragged::<B, O, C>(h, cd, xd, sd, offd, wd, bd, od, rd, (m, n, k, q_dim), mode, exec)
+        })))
+    })?;
+    Ok(o.obj)
+}
+
+/// A scale tensor as f32 (from f32, bf16 or f16).
+fn scales_f32(h: &Held<'_, '_>, (d, f): (&Desc, Float)) -> Vec<f32> {
+    let l = h.read(d);
+    match f {
+        Float::F32 => l.slice::<f32>().to_vec(),
+        Float::Bf16 => l.slice::<bf16>().iter().map(|v| v.to_f32()).collect(),
+        Float::F16 => l.slice::<f16>().iter().map(|v| v.to_f32()).collect(),
+        Float::E4m3 => l.slice::<E4M3>().iter().map(|v| v.to_f32()).collect(),
+    }
+}
+
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+fn fp8_ragged<B: Pod + paged_qkv::Element, O: Pod + paged_qkv::Element, C: Pod + paged_qkv::Element>(
+    h: &Held<'_, '_>,
+    c: CacheD<'_>,
+    x: &Desc,
+    (xs, ws): ((&Desc, Float), (&Desc, Float)),
+    offs: &Desc,
+    w: Result<&Desc, &PackedWeight>,
+    bias: Option<&Desc>,
+    out: &Desc,
+    rope: Option<RopeD<'_>>,
+    (m, n, k, q_dim): (usize, usize, usize, usize),
+    mode: Mode,
+    exec: Exec,
+) -> PyResult<()> {
+    let (xm, mut om, offm) = (h.read(x), h.write(out), h.read(offs));
+    let (si, sw) = (scales_f32(h, xs), scales_f32(h, ws));
+    let scales = Fp8Scales::infer((&si, &xs.0.shape), (&sw, &ws.0.shape), (m, n, k)).map_err(fail)?;
+    let bm = bias.map(|b| h.read(b));
+    let bs = bm.as_ref().map(|b| b.slice::<B>());
+    let outs = om.slice_mut::<O>();
+    let offsets = indices(&offm)?;
+    with_kv::<C, _>(c, h, |kv| {
+        with_rope(rope, h, |rope| {
+            let packed = match w {
+                Err(p) => match &p.inner {
+                    Packed::Fp8(pw) => Some(pw),
+                    _ => unreachable!("checked by the caller"),
+                },
+                Ok(_) => None,
+            };
+            match (packed, mode) {
+                (Some(pw), Mode::Fast) => {
+                    let args =
+                        QkvFp8PackedArgs::new(xm.bytes(), &offsets, pw, scales, q_dim).maybe_bias(bs).maybe_rope(rope);
+                    fast::qkv_fp8_ragged_packed(&args, outs, kv, exec)
+                }
+                (packed, mode) => {
+                    let (wm, unpacked);
+                    let weight: &[u8] = match (packed, w) {
+                        (Some(pw), _) => {
+                            unpacked = pw.to_vec();
+                            &unpacked
+                        }
+                        (None, Ok(wd)) => {
+                            wm = h.read(wd);
+                            wm.bytes()
+                        }
+                        (None, Err(_)) => unreachable!("a packed weight is Some"),
+                    };
+                    let args =
+                        QkvFp8Args::new(xm.bytes(), &offsets, weight, k, scales, q_dim).maybe_bias(bs).maybe_rope(rope);
+                    match mode {
+                        Mode::Fast => fast::qkv_fp8_ragged(&args, outs, kv, exec),
+                        _ => reference::qkv_fp8_ragged(&args, outs, kv, mode.acc()),
                     }
                 }
             }

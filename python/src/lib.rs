@@ -153,6 +153,7 @@ fn tensors_from_bytes<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Vec<Wire<'p
 
 /// A random case, as `paged-qkv make-case` writes it.
 #[pyfunction]
+#[pyo3(signature = (op, model, batch, seed, fmt, granularity="tensor"))]
 fn make_case<'py>(
     py: Python<'py>,
     op: &str,
@@ -160,11 +161,18 @@ fn make_case<'py>(
     batch: usize,
     seed: u64,
     fmt: &str,
+    granularity: &str,
 ) -> PyResult<(String, BTreeMap<String, String>, Vec<Wire<'py>>)> {
     let o = Op::from_name(op).ok_or_else(|| err(format!("op: unknown `{op}`")))?;
     let m = case::model(model)
         .ok_or_else(|| err(format!("model: expected llama3-8b, qwen2.5-0.5b or tiny, found `{model}`")))?;
-    let c = case::make(o, m, batch, seed, format(fmt)?).map_err(err)?;
+    let g = paged_qkv::Fp8Granularity::from_name(granularity)
+        .ok_or_else(|| err(format!("granularity: expected tensor, channel or block, found `{granularity}`")))?;
+    let c = if o == Op::QkvFp8Ragged {
+        case::make_fp8(m, batch, seed, g, case::MakeOptions::default()).map_err(err)?
+    } else {
+        case::make(o, m, batch, seed, format(fmt)?).map_err(err)?
+    };
     Ok((c.op.name().into(), c.meta, tensors_out(py, c.tensors)))
 }
 
@@ -272,6 +280,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(scale_offset, m)?)?;
     m.add_function(wrap_pyfunction!(isa, m)?)?;
     m.add_function(wrap_pyfunction!(direct::qkv_fp4_ragged, m)?)?;
+    m.add_function(wrap_pyfunction!(direct::qkv_fp8_ragged, m)?)?;
     m.add_function(wrap_pyfunction!(direct::qkv_ragged, m)?)?;
     m.add_function(wrap_pyfunction!(direct::qkv_bshd, m)?)?;
     m.add_function(wrap_pyfunction!(direct::rope_bshd, m)?)?;

@@ -7,12 +7,14 @@ use crate::mem::Call;
 use numpy::{IntoPyArray, PyArrayMethods};
 use paged_qkv::formats::scale_layout::ScaleLayout;
 use paged_qkv::formats::{BlockFormat, QuantizedRef};
-use paged_qkv::{PackedPlainWeights, PackedWeights, bf16, f16};
+use paged_qkv::{PackedFp8Weights, PackedPlainWeights, PackedWeights, bf16, f16};
 use pyo3::prelude::*;
 
 /// The packed data.
 pub enum Packed {
     Block(PackedWeights),
+    /// FP8 W8A8 (E4M3 codes; the scales come with each call).
+    Fp8(PackedFp8Weights),
     F32(PackedPlainWeights<f32>),
     Bf16(PackedPlainWeights<bf16>),
     F16(PackedPlainWeights<f16>),
@@ -32,6 +34,7 @@ impl PackedWeight {
     pub fn kind(&self) -> &'static str {
         match &self.inner {
             Packed::Block(w) => w.format().name(),
+            Packed::Fp8(_) => "fp8",
             Packed::F32(_) => "float32",
             Packed::Bf16(_) => "bfloat16",
             Packed::F16(_) => "float16",
@@ -40,6 +43,7 @@ impl PackedWeight {
     fn dims(&self) -> (usize, usize) {
         match &self.inner {
             Packed::Block(w) => (w.rows(), w.k()),
+            Packed::Fp8(w) => (w.rows(), w.k()),
             Packed::F32(w) => (w.rows(), w.k()),
             Packed::Bf16(w) => (w.rows(), w.k()),
             Packed::F16(w) => (w.rows(), w.k()),
@@ -49,7 +53,7 @@ impl PackedWeight {
 
 #[pymethods]
 impl PackedWeight {
-    /// ``"nvfp4"``, ``"mxfp4"``, ``"mxfp8"``, ``"bfloat16"``, ``"float16"`` or ``"float32"``.
+    /// ``"nvfp4"``, ``"mxfp4"``, ``"mxfp8"``, ``"fp8"``, ``"bfloat16"``, ``"float16"`` or ``"float32"``.
     #[getter]
     fn format(&self) -> &'static str {
         self.kind()
@@ -64,6 +68,7 @@ impl PackedWeight {
     fn nbytes(&self) -> usize {
         match &self.inner {
             Packed::Block(w) => w.size_bytes(),
+            Packed::Fp8(w) => w.size_bytes(),
             Packed::F32(w) => w.size_bytes(),
             Packed::Bf16(w) => w.size_bytes(),
             Packed::F16(w) => w.size_bytes(),
@@ -82,6 +87,7 @@ impl PackedWeight {
                 let data = data.into_pyarray(py).reshape([n, cols])?.into_any();
                 (data, Some(scales.into_pyarray(py).reshape(shape)?.into_any()))
             }
+            Packed::Fp8(w) => (py.detach(|| w.to_vec()).into_pyarray(py).reshape([n, k])?.into_any(), None),
             Packed::F32(w) => (py.detach(|| w.to_vec()).into_pyarray(py).reshape([n, k])?.into_any(), None),
             Packed::Bf16(w) => {
                 (bits_array(py, Float::Bf16, py.detach(|| w.to_vec()).iter().map(|x| x.to_bits()), n, k)?, None)
@@ -142,6 +148,23 @@ pub fn pack_weight(
     threads: Option<usize>,
 ) -> PyResult<PackedWeight> {
     let w = Arg::new(weight, "weight", false)?;
+    if format == Some("fp8") {
+        // FP8 W8A8: the E4M3 codes alone (per-tensor, channel or block scales come with each call).
+        if weight_scale.is_some_and(|s| !s.is_none()) {
+            return Err(value_err(
+                "weight_scale",
+                "must be None for format fp8 (the scales are passed with each call)",
+            ));
+        }
+        bytes_of(&w, "E4M3 codes")?;
+        let k = w.rank(2, "a [N, K] weight of E4M3 codes")?[1];
+        let call = Call::new(vec![(w.d(), false)])?;
+        let d = w.d();
+        let inner = run(py, &call, threads, 1, |_, h| {
+            Ok(Packed::Fp8(PackedFp8Weights::new(h.read(d).bytes(), k).map_err(fail)?))
+        })?;
+        return Ok(PackedWeight { inner });
+    }
     let Some(scale_obj) = weight_scale else {
         if let Some(f) = format
             && BlockFormat::from_name(f).is_some()

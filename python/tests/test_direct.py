@@ -19,7 +19,7 @@ import paged_qkv as pq
 from paged_qkv import _native
 
 ROOT = Path(__file__).resolve().parents[2]
-OPS = ["qkv_fp4_ragged", "qkv_ragged", "qkv_bshd", "rope_bshd", "rope_ragged", "kv_store_ragged", "kv_store_bshd"]
+OPS = ["qkv_fp4_ragged", "qkv_fp8_ragged", "qkv_ragged", "qkv_bshd", "rope_bshd", "rope_ragged", "kv_store_ragged", "kv_store_bshd"]
 MODES = ["exact", "sequential", "fast"]
 
 
@@ -41,6 +41,9 @@ def args_of(case: pq.Case, kv=None):
         kw.update(hidden_state=t["hidden_state"], input_scale=t["input_scale"], input_row_offsets=t["input_row_offsets"],
                   weight=t["weight"], weight_scale=t["weight_scale"], tensor_sf=float(m["tensor_sf"]), format=m["format"],
                   q_dim=t["output"].shape[1], output_dtype=t["output"].dtype.name if t["output"].dtype.name != "uint16" else "bf16")
+    elif op == "qkv_fp8_ragged":
+        kw.update(hidden_state=t["hidden_state"], input_scale=t["input_scale"], input_row_offsets=t["input_row_offsets"],
+                  weight=t["weight"], weight_scale=t["weight_scale"], bias=t.get("bias"), q_dim=t["output"].shape[1])
     elif op == "qkv_ragged":
         kw.update(hidden_state=t["hidden_state"], input_row_offsets=t["input_row_offsets"], weight=t["weight"],
                   bias=t.get("bias"), q_dim=t["output"].shape[1])
@@ -61,14 +64,21 @@ def args_of(case: pq.Case, kv=None):
     return getattr(pq, op), kw
 
 
-CASES = [(op, fmt, seed, model) for op in OPS for (fmt, seed, model) in [("nvfp4", 1, "tiny"), ("nvfp4", 7, "tiny"), ("nvfp4", 2, "qwen2.5-0.5b")]]
+CASES = [(op, fmt, seed, model) for op in OPS if op != "qkv_fp8_ragged" for (fmt, seed, model) in [("nvfp4", 1, "tiny"), ("nvfp4", 7, "tiny"), ("nvfp4", 2, "qwen2.5-0.5b")]]
 CASES += [("qkv_fp4_ragged", f, 3, "tiny") for f in ("mxfp4", "mxfp8")]
+# FP8 W8A8: `fmt` is the scale granularity.
+CASES += [("qkv_fp8_ragged", g, s, m) for g in ("tensor", "channel", "block") for (s, m) in [(1, "tiny"), (2, "qwen2.5-0.5b")]]
+
+
+def make(op, fmt, **kw):
+    """A case of `op`; `fmt` is the block format, or the scale granularity of qkv_fp8_ragged."""
+    return pq.make_case(op, **kw, **({"granularity": fmt} if op == "qkv_fp8_ragged" else {"format": fmt}))
 
 
 @pytest.mark.parametrize("op,fmt,seed,model", CASES)
 @pytest.mark.parametrize("mode", MODES)
 def test_the_direct_path_equals_the_case_file_path(op, fmt, seed, model, mode):
-    case = pq.make_case(op, model=model, batch=3, seed=seed, format=fmt)
+    case = make(op, fmt, model=model, batch=3, seed=seed)
     want = case.run(mode)  # through the case file (the command line's code path)
     fn, kw = args_of(case)
     out = fn(mode=mode, **kw)
@@ -113,15 +123,24 @@ def _freqs(rows, d, theta=10000.0):
 # Packed weights
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8", "bf16"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8", "bf16", "fp8"])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_packed_weight_gives_the_raw_weights_bits(fmt, mode):
-    op = "qkv_ragged" if fmt == "bf16" else "qkv_fp4_ragged"
-    case = pq.make_case(op, seed=5, format="nvfp4" if fmt == "bf16" else fmt)
+    op = {"bf16": "qkv_ragged", "fp8": "qkv_fp8_ragged"}.get(fmt, "qkv_fp4_ragged")
+    case = pq.make_case(op, seed=5, format=fmt if op == "qkv_fp4_ragged" else "nvfp4", granularity="block")
     fn, kw = args_of(case)
     want = fn(mode=mode, **kw)
     kv_want = bits(kw["kv_blocks"])
-    if fmt == "bf16":
+    if fmt == "fp8":
+        packed = pq.pack_weight(kw["weight"], format="fp8")
+        assert packed.format == "fp8" and packed.shape == kw["weight"].shape and packed.nbytes > 0
+        w2, s2 = packed.unpack()
+        assert bits(w2) == bits(kw["weight"]) and s2 is None
+        with pytest.raises(TypeError, match="qkv_fp8_ragged"):
+            x = np.zeros(kw["hidden_state"].shape, np.float32)
+            pq.qkv_ragged(x, kw["input_row_offsets"], packed, kw["kv_blocks"], kw["cache_lengths"],
+                          kw["kv_lookup_table"], kw["layer_idx"])
+    elif fmt == "bf16":
         packed = pq.pack_weight(kw["weight"])
         assert packed.format == "bfloat16" and packed.shape == kw["weight"].shape
         w2, s2 = packed.unpack()

@@ -14,7 +14,7 @@ import pytest
 import paged_qkv as pq
 
 ROOT = Path(__file__).resolve().parents[2]
-OPS = ["qkv_fp4_ragged", "qkv_ragged", "qkv_bshd", "rope_bshd", "rope_ragged", "kv_store_ragged", "kv_store_bshd"]
+OPS = ["qkv_fp4_ragged", "qkv_fp8_ragged", "qkv_ragged", "qkv_bshd", "rope_bshd", "rope_ragged", "kv_store_ragged", "kv_store_bshd"]
 MODES = ["exact", "sequential", "fast"]
 
 
@@ -42,6 +42,11 @@ def call(case: pq.Case, mode: str):
             t["hidden_state"], t["input_scale"], t["input_row_offsets"], t["weight"], t["weight_scale"],
             tensor_sf=float(m["tensor_sf"]), format=m["format"], q_dim=t["output"].shape[1], **common,
         )
+    elif op == "qkv_fp8_ragged":
+        out = pq.qkv_fp8_ragged(
+            t["hidden_state"], t["input_scale"], t["input_row_offsets"], t["weight"], t["weight_scale"],
+            bias=t.get("bias"), q_dim=t["output"].shape[1], **common,
+        )
     elif op == "qkv_ragged":
         out = pq.qkv_ragged(t["hidden_state"], t["input_row_offsets"], t["weight"], bias=t.get("bias"), q_dim=t["output"].shape[1], **common)
     elif op == "qkv_bshd":
@@ -57,13 +62,16 @@ def call(case: pq.Case, mode: str):
     return out, kv
 
 
-@pytest.mark.parametrize("op", OPS + ["qkv_fp4_ragged:mxfp4", "qkv_fp4_ragged:mxfp8"])
+@pytest.mark.parametrize(
+    "op", OPS + ["qkv_fp4_ragged:mxfp4", "qkv_fp4_ragged:mxfp8", "qkv_fp8_ragged:channel", "qkv_fp8_ragged:block"]
+)
 @pytest.mark.parametrize("mode", MODES)
 def test_every_op_matches_the_cli_bit_for_bit(tmp_path, op, mode):
     op, _, fmt = op.partition(":")
     case_path, out_path = tmp_path / "case.safetensors", tmp_path / "out.safetensors"
     make = [cli(), "make-case", "--op", op, "--model", "tiny", "--batch", "3", "--seed", "11", "-o", str(case_path)]
-    subprocess.run(make + (["--format", fmt] if fmt else []), check=True, capture_output=True)
+    flag = "--granularity" if op == "qkv_fp8_ragged" else "--format"
+    subprocess.run(make + ([flag, fmt] if fmt else []), check=True, capture_output=True)
     subprocess.run([cli(), "run", str(case_path), "-o", str(out_path), "--mode", mode], check=True, capture_output=True)
     want = {name: arr for (name, _, _, arr) in pq.load_case_tensors(out_path)}
     out, kv = call(pq.load_case(case_path), mode)

@@ -52,7 +52,7 @@ impl Case {
                 ops::ragged_rows(&offsets, sh[0])?.iter().map(|&(b, t)| (b, t, true)).collect()
             }
         };
-        if matches!(self.op, Op::QkvFp4Ragged | Op::QkvRagged | Op::QkvBshd) {
+        if matches!(self.op, Op::QkvFp4Ragged | Op::QkvFp8Ragged | Op::QkvRagged | Op::QkvBshd) {
             nonzero("weight", &self.tensor("weight")?.shape, 1)?;
         }
         let plan = SlotPlan::build(&table, &shape, layer, &rows)?;
@@ -73,7 +73,7 @@ impl Case {
                 }
             };
             match self.op {
-                Op::QkvFp4Ragged | Op::QkvRagged | Op::QkvBshd => {
+                Op::QkvFp4Ragged | Op::QkvFp8Ragged | Op::QkvRagged | Op::QkvBshd => {
                     let n = self.weight_rows()?;
                     let q_dim = self.tensor("output")?.shape.last().copied().unwrap_or(0);
                     for j in 0..n.saturating_sub(q_dim) {

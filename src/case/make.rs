@@ -1,6 +1,7 @@
 //! Making cases: model shapes and random calls of each op.
 
 use super::*;
+use crate::ops::Fp8Granularity;
 
 /// Model shapes for [`make()`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -80,6 +81,26 @@ pub fn make_with(
     format: BlockFormat,
     opts: MakeOptions,
 ) -> Result<Case> {
+    make_case(op, m, batch, seed, (format, Fp8Granularity::Tensor), opts)
+}
+
+/// A `qkv_fp8_ragged` case (as [`make_with`] makes the others) with scales of granularity `g`:
+/// activations and weight quantized to E4M3 by
+/// [`quantize_fp8_input`](crate::formats::quantize::quantize_fp8_input) and
+/// [`quantize_fp8_weight`](crate::formats::quantize::quantize_fp8_weight), a bf16 bias and output.
+/// ([`make_with`] makes it per tensor.)
+pub fn make_fp8(m: ModelShape, batch: usize, seed: u64, g: Fp8Granularity, opts: MakeOptions) -> Result<Case> {
+    make_case(Op::QkvFp8Ragged, m, batch, seed, (BlockFormat::Mxfp8, g), opts)
+}
+
+fn make_case(
+    op: Op,
+    m: ModelShape,
+    batch: usize,
+    seed: u64,
+    (format, g): (BlockFormat, Fp8Granularity),
+    opts: MakeOptions,
+) -> Result<Case> {
     let mut rng = fastrand::Rng::with_seed(seed);
     let max_new = if m.name == "tiny" { 5 } else { 4 };
     let lens: Vec<usize> = (0..batch).map(|b| if b == 2 { 0 } else { 1 + rng.usize(..max_new) }).collect();
@@ -142,6 +163,22 @@ pub fn make_with(
             t.insert("output".into(), Tensor::from_elements(vec![total, q_dim], &vec![bf16::ZERO; total * q_dim]));
             meta.insert("format".into(), format.name().into());
             meta.insert("tensor_sf".into(), format!("{:e}", a.tensor_scale() * wq.tensor_scale()));
+        }
+        Op::QkvFp8Ragged => {
+            use crate::formats::quantize::{quantize_fp8_input, quantize_fp8_weight};
+            let x = randv(&mut rng, total * k, 1.0);
+            let w = randv(&mut rng, n * k, 1.0 / (k as f32).sqrt());
+            let (xq, si) = quantize_fp8_input(&x, total, k, g)?;
+            let (wq, sw) = quantize_fp8_weight(&w, n, k, g)?;
+            let (is, ws) = g.scale_shapes(total, n, k);
+            let dt = if opts.f8_dtypes { Dtype::F8E4M3 } else { Dtype::U8 };
+            t.insert("hidden_state".into(), Tensor::from_bytes(dt, vec![total, k], xq));
+            t.insert("weight".into(), Tensor::from_bytes(dt, vec![n, k], wq));
+            t.insert("input_scale".into(), Tensor::from_elements(is.to_vec(), &si));
+            t.insert("weight_scale".into(), Tensor::from_elements(ws.to_vec(), &sw));
+            t.insert("bias".into(), Tensor::from_elements(vec![n], &bf(&randv(&mut rng, n, 0.1))));
+            t.insert("input_row_offsets".into(), Tensor::from_u32(vec![batch + 1], &offsets));
+            t.insert("output".into(), Tensor::from_elements(vec![total, q_dim], &vec![bf16::ZERO; total * q_dim]));
         }
         Op::QkvRagged | Op::QkvBshd => {
             let w = bf(&randv(&mut rng, n * k, 1.0 / (k as f32).sqrt()));

@@ -3,12 +3,15 @@
 //! trusted answer ([`Case::run`]) and a verdict ([`compare`]).
 //!
 //! Format (a public promise; see the README's "Check your GPU kernel"):
-//! * `__metadata__`: `op` (`qkv_fp4_ragged`, `qkv_ragged`, `qkv_bshd`, `rope_bshd`, `rope_ragged`,
-//!   `kv_store_ragged`, `kv_store_bshd`); `layer_idx`; for `qkv_fp4_ragged` `format` (`nvfp4`,
-//!   `mxfp4`, `mxfp8`) and `tensor_sf` (decimal); for RoPE `interleaved` (`true`/`false`); for the
-//!   KV stores `cache` (`k` or `v`, default `k`), the stored values being `hidden_state`.
+//! * `__metadata__`: `op` (`qkv_fp4_ragged`, `qkv_fp8_ragged`, `qkv_ragged`, `qkv_bshd`,
+//!   `rope_bshd`, `rope_ragged`, `kv_store_ragged`, `kv_store_bshd`); `layer_idx`; for
+//!   `qkv_fp4_ragged` `format` (`nvfp4`, `mxfp4`, `mxfp8`) and `tensor_sf` (decimal); for RoPE
+//!   `interleaved` (`true`/`false`); for the KV stores `cache` (`k` or `v`, default `k`), the
+//!   stored values being `hidden_state`.
 //! * Tensors, where the op uses them: `hidden_state`, `input_row_offsets` (U32), `weight`,
-//!   `input_scale`, `weight_scale` (5-D), `bias`, `kv_blocks` (rank 6), `cache_lengths` (U32),
+//!   `input_scale`, `weight_scale` (5-D for `qkv_fp4_ragged`; f32 for `qkv_fp8_ragged`, their
+//!   shapes giving the granularity as MAX infers it: `[1, 1]` per tensor, `[1, M]` and `[N, 1]` per
+//!   channel, `[ceil(K/128), M]` and `[ceil(N/128), ceil(K/128)]` per block), `bias`, `kv_blocks` (rank 6), `cache_lengths` (U32),
 //!   `kv_lookup_table` (U32 `[batch, cols]`), `valid_lengths` (U32), `q_proj`, `freqs_cis`,
 //!   `position_ids` (U32), `output` (the pre-allocated output; its shape gives q_dim; rows the op
 //!   does not write keep their contents).
@@ -41,7 +44,7 @@ mod run;
 
 pub use crate::ops::freqs_cis;
 pub use check::{CheckOptions, Report, TensorReport, Tolerance, ULP_BUCKETS, check, check_with, compare};
-pub use make::{MODELS, MakeOptions, ModelShape, make, make_with, model, normal};
+pub use make::{MODELS, MakeOptions, ModelShape, make, make_fp8, make_with, model, normal};
 pub use read::{load_tensors, save_tensors};
 pub use run::exec;
 
@@ -69,11 +72,14 @@ fn err<T>(msg: impl Into<String>) -> Result<T> {
     Err(CaseError(msg.into()))
 }
 
-/// The operations a case can describe.
+/// The operations a case can describe (more may come: the enum is non-exhaustive).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Op {
     /// [`reference::qkv_fp4_ragged`].
     QkvFp4Ragged,
+    /// [`reference::qkv_fp8_ragged`].
+    QkvFp8Ragged,
     /// [`reference::qkv_ragged`].
     QkvRagged,
     /// [`reference::qkv_bshd`].
@@ -90,8 +96,9 @@ pub enum Op {
 
 impl Op {
     /// All ops.
-    pub const ALL: [Op; 7] = [
+    pub const ALL: [Op; 8] = [
         Op::QkvFp4Ragged,
+        Op::QkvFp8Ragged,
         Op::QkvRagged,
         Op::QkvBshd,
         Op::RopeBshd,
@@ -103,6 +110,7 @@ impl Op {
     pub fn name(self) -> &'static str {
         match self {
             Op::QkvFp4Ragged => "qkv_fp4_ragged",
+            Op::QkvFp8Ragged => "qkv_fp8_ragged",
             Op::QkvRagged => "qkv_ragged",
             Op::QkvBshd => "qkv_bshd",
             Op::RopeBshd => "rope_bshd",

@@ -106,6 +106,18 @@ impl Case {
                     _ => reference::qkv_fp4_ragged(&args, out, kv, Self::acc(mode))?,
                 }
             }
+            Op::QkvFp8Ragged => match self.tensors.get("bias").map(|t| elem_dtype(t.dtype)) {
+                None => self.qkv_fp8::<bf16, O, C>(out, kv, mode, exec)?,
+                Some(Some(DType::BF16)) => self.qkv_fp8::<bf16, O, C>(out, kv, mode, exec)?,
+                Some(Some(DType::F16)) => self.qkv_fp8::<f16, O, C>(out, kv, mode, exec)?,
+                Some(Some(DType::F32)) => self.qkv_fp8::<f32, O, C>(out, kv, mode, exec)?,
+                Some(_) => {
+                    return err(format!(
+                        "`bias`: expected dtype BF16, F16 or F32, found {}",
+                        self.tensor("bias")?.dtype
+                    ));
+                }
+            },
             Op::QkvRagged | Op::QkvBshd => {
                 let (xd, _) = self.float_info("hidden_state", None)?;
                 match xd {
@@ -281,6 +293,62 @@ impl Case {
             position_ids: ids.as_deref(),
             math: self.rope_math()?,
         }))
+    }
+
+    /// `qkv_fp8_ragged` with a bias of dtype `B` (if any): E4M3 `hidden_state` and `weight`
+    /// (F8_E4M3 or U8), f32 (or bf16, f16) scales whose shapes give the granularity.
+    fn qkv_fp8<B: Element, O: Element, C: Element>(
+        &self,
+        out: &mut [O],
+        kv: &mut KvWrite<'_, C>,
+        mode: Mode,
+        exec: Exec,
+    ) -> Result<()> {
+        let e4m3 = |name: &str| -> Result<(&[u8], usize, usize)> {
+            let t = self.tensor(name)?;
+            if !matches!(t.dtype, Dtype::U8 | Dtype::F8E4M3) {
+                return err(format!("`{name}`: expected dtype F8_E4M3 or U8, found {}", t.dtype));
+            }
+            match t.shape[..] {
+                [r, k] => Ok((&t.data, r, k)),
+                _ => err(format!("`{name}`: expected rank 2, found shape {}", dims(&t.shape))),
+            }
+        };
+        let (x, m, k) = e4m3("hidden_state")?;
+        let (w, n, wk) = e4m3("weight")?;
+        if wk != k {
+            return err(format!("`weight`: expected shape [N, {k}] (K from hidden_state), found [{n}, {wk}]"));
+        }
+        let (_, os) = self.float_info("output", Some(2))?;
+        if os[0] != m {
+            return err(format!("`output`: expected shape [{m}, q_dim], found {}", dims(os)));
+        }
+        let offsets = self.u32s("input_row_offsets", None)?;
+        let (si, sw) = (self.floats_f32("input_scale")?, self.floats_f32("weight_scale")?);
+        let (sis, sws) = (&self.tensor("input_scale")?.shape, &self.tensor("weight_scale")?.shape);
+        let scales = ops::Fp8Scales::infer((&si, sis), (&sw, sws), (m, n, k))?;
+        let bias = if self.tensors.contains_key("bias") {
+            self.expect_shape("bias", &[n])?;
+            Some(self.typed::<B>("bias")?)
+        } else {
+            None
+        };
+        let freqs = self.qkv_freqs()?;
+        let args = ops::QkvFp8Args {
+            hidden_state: x,
+            input_row_offsets: &offsets,
+            weight: w,
+            hidden_size: k,
+            scales,
+            bias: bias.as_deref(),
+            q_dim: os[1],
+            rope: self.qkv_rope(&freqs, kv.cache.shape().head_size())?,
+        };
+        match mode {
+            Mode::Fast => fast::qkv_fp8_ragged(&args, out, kv, exec)?,
+            _ => reference::qkv_fp8_ragged(&args, out, kv, Self::acc(mode))?,
+        }
+        Ok(())
     }
 
     /// `qkv_ragged` / `qkv_bshd` with activations, weight and bias of one dtype `T` (as MAX).

@@ -51,18 +51,19 @@ use crate::element::Element;
 use crate::error::{Error, Result, weight_rows};
 use crate::formats::QuantizedRef;
 use crate::kernels::epilogue::{Dest, EpiRope, EpiSpec, MatrixDest, QkvDest};
+use crate::kernels::fp8::{Fp8Operands, prepare_acts};
 use crate::kernels::operands::{Fp4Operands, PlainOperands};
 use crate::kernels::pack::{Fp4Acts, PlainActs};
 use crate::kernels::rope::{Bases, Planned, RopeSpec, RowSlots, Seqs, rope_rows, slot_bases, store_rows};
 use crate::kernels::schedule::{Panels, run};
 use crate::kernels::team::Team;
-pub use crate::kernels::{PackedPlainWeights, PackedWeights};
+pub use crate::kernels::{PackedFp8Weights, PackedPlainWeights, PackedWeights};
 use crate::ops::optional_parts;
 use crate::ops::{
-    KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, QkvRope, RopeBshdArgs, RopeMath,
-    RopeRaggedArgs, check_tensor, kv_store_bshd_slots, kv_store_ragged_slots, rope_bshd_slots, rope_ragged_slots,
-    validate_fp4, validate_kv_store_bshd, validate_kv_store_ragged, validate_qkv_bshd, validate_qkv_ragged,
-    validate_rope_bshd, validate_rope_ragged, with_freqs,
+    Fp8Scales, KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvFp8Args, QkvRaggedArgs, QkvRope,
+    RopeBshdArgs, RopeMath, RopeRaggedArgs, check_tensor, kv_store_bshd_slots, kv_store_ragged_slots, rope_bshd_slots,
+    rope_ragged_slots, validate_fp4, validate_fp8, validate_kv_store_bshd, validate_kv_store_ragged, validate_qkv_bshd,
+    validate_qkv_ragged, validate_rope_bshd, validate_rope_ragged, with_freqs,
 };
 pub use crate::simd::Isa;
 use crate::simd::IsaToken;
@@ -176,6 +177,41 @@ impl<'a, T> QkvBshdPackedArgs<'a, T> {
         q_dim: usize,
     ) -> Self {
         QkvBshdPackedArgs { hidden_state, batch, seq_len, weight, valid_lengths, q_dim, rope: None }
+    }
+}
+
+/// Arguments of [`qkv_fp8_ragged_packed`]: as [`QkvFp8Args`], with a prepacked weight.
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct QkvFp8PackedArgs<'a, B = half::bf16> {
+    /// `[M, K]` E4M3 bytes.
+    pub hidden_state: &'a [u8],
+    /// `[batch + 1]`, starting at 0, non-decreasing, ending at M.
+    pub input_row_offsets: &'a [u32],
+    /// The fused weight `[N, K]`, packed once by [`PackedFp8Weights::new`].
+    pub weight: &'a PackedFp8Weights,
+    /// The scales and their granularity.
+    pub scales: Fp8Scales<'a>,
+    /// Optional `[N]` bias, added in the output dtype ([semantics §4](crate::semantics)).
+    pub bias: Option<&'a [B]>,
+    /// Columns routed to `output`.
+    pub q_dim: usize,
+    /// RoPE on Q and the new K in the epilogue (`None`: no rotation).
+    pub rope: Option<QkvRope<'a>>,
+}
+
+optional_parts!(QkvFp8PackedArgs<'a, B>, bias);
+
+impl<'a, B> QkvFp8PackedArgs<'a, B> {
+    /// The arguments without bias and RoPE.
+    pub fn new(
+        hidden_state: &'a [u8],
+        input_row_offsets: &'a [u32],
+        weight: &'a PackedFp8Weights,
+        scales: Fp8Scales<'a>,
+        q_dim: usize,
+    ) -> Self {
+        QkvFp8PackedArgs { hidden_state, input_row_offsets, weight, scales, bias: None, q_dim, rope: None }
     }
 }
 
@@ -415,6 +451,112 @@ pub fn matmul_fp4_packed<O: Element>(
         return Ok(());
     }
     run_fp4(a, weight, tensor_sf, &MatrixDest::new(output, n, token), exec, token, 128);
+    Ok(())
+}
+
+/// The fast [`reference::qkv_fp8_ragged`](crate::reference::qkv_fp8_ragged) (FP8 W8A8 with
+/// tensor, channel or block scales), with the raw weight: it is packed on every call (a server
+/// packs once and calls [`qkv_fp8_ragged_packed`]).
+///
+/// # Examples
+/// ```
+/// use paged_qkv::{CacheShape, Exec, Fp8Scales, KvWrite, PageTable, PagedKvCache, QkvFp8Args, bf16, fast};
+/// use paged_qkv::formats::fp8::e4m3_from_f32;
+///
+/// # fn main() -> paged_qkv::Result<()> {
+/// let (k, q_dim, n) = (64, 32, 64); // 2 Q heads and 1 KV head of 16
+/// let x: Vec<u8> = (0..2 * k).map(|i| e4m3_from_f32((i as f32 * 0.37).sin())).collect();
+/// let w: Vec<u8> = (0..n * k).map(|i| e4m3_from_f32((i as f32 * 0.11).cos())).collect();
+/// let scales = Fp8Scales::Tensor { input: 0.5, weight: 0.01 };
+/// let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(4, 1, 8, 1, 16)?);
+/// let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[2], 1, &[0])?, 0);
+/// let mut q = vec![bf16::ZERO; 2 * q_dim];
+/// let args: QkvFp8Args = QkvFp8Args::new(&x, &[0, 2], &w, k, scales, q_dim);
+/// fast::qkv_fp8_ragged(&args, &mut q, &mut kv, Exec::default())?;
+/// # Ok(())
+/// # }
+/// ```
+#[doc(alias = "fused_qkv_matmul_kv_cache_paged_ragged_scale")]
+#[doc(alias = "_fused_qkv_ragged_matmul_scaled_float8")]
+pub fn qkv_fp8_ragged<B: Element, O: Element, C: Element>(
+    args: &QkvFp8Args<'_, B>,
+    output: &mut [O],
+    kv: &mut KvWrite<'_, C>,
+    exec: Exec,
+) -> Result<()> {
+    let token = IsaToken::new(exec.isa)?;
+    let k = args.hidden_size;
+    let n = weight_rows(args.weight, k)?;
+    let plan = validate_fp8::<O, C>(
+        args.hidden_state.len(),
+        args.input_row_offsets,
+        (n, k),
+        &args.scales,
+        args.bias.map(|b| b.len()),
+        (args.q_dim, args.rope.as_ref()),
+        output.len(),
+        kv,
+    )?;
+    let packed = PackedFp8Weights::pack(args.weight, k, exec.team())?;
+    let packed_args = QkvFp8PackedArgs {
+        hidden_state: args.hidden_state,
+        input_row_offsets: args.input_row_offsets,
+        weight: &packed,
+        scales: args.scales,
+        bias: args.bias,
+        q_dim: args.q_dim,
+        rope: args.rope,
+    };
+    fp8_into_cache(&packed_args, output, kv, exec, token, &plan)
+}
+
+/// The fast FP8 W8A8 fused QKV with a prepacked weight: validates everything, then runs the
+/// kernels and routes Q to `output` and K/V into the cache (nothing is written on error).
+#[doc(alias = "fused_qkv_matmul_kv_cache_paged_ragged_scale")]
+pub fn qkv_fp8_ragged_packed<B: Element, O: Element, C: Element>(
+    args: &QkvFp8PackedArgs<'_, B>,
+    output: &mut [O],
+    kv: &mut KvWrite<'_, C>,
+    exec: Exec,
+) -> Result<()> {
+    let token = IsaToken::new(exec.isa)?;
+    let w = args.weight;
+    let plan = validate_fp8::<O, C>(
+        args.hidden_state.len(),
+        args.input_row_offsets,
+        (w.rows(), w.k()),
+        &args.scales,
+        args.bias.map(|b| b.len()),
+        (args.q_dim, args.rope.as_ref()),
+        output.len(),
+        kv,
+    )?;
+    fp8_into_cache(args, output, kv, exec, token, &plan)
+}
+
+/// Runs a validated FP8 W8A8 call into the cache.
+fn fp8_into_cache<B: Element, O: Element, C: Element>(
+    args: &QkvFp8PackedArgs<'_, B>,
+    output: &mut [O],
+    kv: &mut KvWrite<'_, C>,
+    exec: Exec,
+    token: IsaToken,
+    plan: &Plan,
+) -> Result<()> {
+    let (n, k) = (args.weight.rows(), args.weight.k());
+    let m = args.hidden_state.len() / k;
+    if m == 0 {
+        return Ok(());
+    }
+    let team = exec.team();
+    // Cannot fail on validated lengths; prepared before anything is written all the same.
+    let acts = prepare_acts(args.hidden_state, m, k, token, team)?;
+    let head = kv.cache.shape().head_size();
+    let dest = qkv_dest(output, kv, plan, (args.q_dim, n), args.rope.as_ref(), token);
+    let inner = Fp4Operands { w: &args.weight.inner, a: &acts, tensor_sf: 1.0 };
+    let src = Fp8Operands::<B, O>::new(inner, args.scales, args.bias, m);
+    let panels = Panels::new(n, Panels::target(head).max(128), |c| dest.may_cut(c));
+    run(&src, &dest, m, token, team, &panels);
     Ok(())
 }
 

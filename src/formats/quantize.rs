@@ -9,6 +9,10 @@
 //!   rounded up).
 //! * MXFP8: `sf = e8m0_roundup(amax / 448)`, `q = e4m3(x / dec(sf))`.
 //!
+//! * FP8 W8A8 ([`quantize_fp8_input`], [`quantize_fp8_weight`]): per tensor, per row or per
+//!   128-block, `scale = amax / 448` (1 where `amax` is 0), `q = e4m3(x / scale)` (saturating);
+//!   the f32 scales laid out as [`Fp8Granularity::scale_shapes`] says.
+//!
 //! One deliberate difference from MAX's GPU quantizer: a scale that overflows E4M3 saturates to 448
 //! (MAX's plain cast gives NaN, quirk K17).
 
@@ -20,6 +24,7 @@ use super::scale_layout::ScaleLayout;
 use super::{BlockFormat, QuantizedMatrix, QuantizedRef, check_len_2d};
 use crate::element::Element;
 use crate::error::{Error, Result};
+use crate::ops::{FP8_BLOCK, Fp8Granularity};
 
 /// NVIDIA's recipe for the NVFP4 global (encode) scale of a tensor whose largest magnitude is
 /// `amax`: `448 · 6 / amax`, so the largest block scale lands on E4M3's maximum. 1 when `amax`
@@ -139,6 +144,76 @@ pub fn dequantize(q: QuantizedRef<'_>, tensor_scale: f32) -> Vec<f32> {
         }
     }
     out
+}
+
+/// `amax / 448`, or 1 where that is 0 or not finite (an all-zero block).
+fn fp8_scale(amax: f32) -> f32 {
+    let s = amax / E4M3_MAX;
+    if s > 0.0 && s.is_finite() { s } else { 1.0 }
+}
+
+/// Quantizes FP8 W8A8 activations `[m, k]` (row-major) at granularity `g`: the E4M3 bytes and
+/// the f32 `input_scale` (`[1, 1]`, `[1, m]` or `[ceil(k/128), m]`), each scale `amax / 448` of
+/// its tensor, token or 1×128 block, as a dynamic per-token quantizer forms it.
+pub fn quantize_fp8_input<T: Element>(x: &[T], m: usize, k: usize, g: Fp8Granularity) -> Result<(Vec<u8>, Vec<f32>)> {
+    check_len_2d("x", x.len(), m, k)?;
+    let kb = k.div_ceil(FP8_BLOCK);
+    let scale_of = |r: usize, kk: usize| -> usize {
+        match g {
+            Fp8Granularity::Tensor => 0,
+            Fp8Granularity::Channel => r,
+            Fp8Granularity::Block => kk / FP8_BLOCK * m + r,
+        }
+    };
+    let len = match g {
+        Fp8Granularity::Tensor => 1,
+        Fp8Granularity::Channel => m,
+        Fp8Granularity::Block => kb * m,
+    };
+    fp8_quantize(x, m, k, len, scale_of)
+}
+
+/// Quantizes an FP8 W8A8 weight `[n, k]` at granularity `g`: the E4M3 bytes and the f32
+/// `weight_scale` (`[1, 1]`, `[n, 1]` or `[ceil(n/128), ceil(k/128)]`), each scale `amax / 448`
+/// of its tensor, row or 128×128 block.
+pub fn quantize_fp8_weight<T: Element>(w: &[T], n: usize, k: usize, g: Fp8Granularity) -> Result<(Vec<u8>, Vec<f32>)> {
+    check_len_2d("w", w.len(), n, k)?;
+    let kb = k.div_ceil(FP8_BLOCK);
+    let len = match g {
+        Fp8Granularity::Tensor => 1,
+        Fp8Granularity::Channel => n,
+        Fp8Granularity::Block => n.div_ceil(FP8_BLOCK) * kb,
+    };
+    fp8_quantize(w, n, k, len, |r, kk| match g {
+        Fp8Granularity::Tensor => 0,
+        Fp8Granularity::Channel => r,
+        Fp8Granularity::Block => r / FP8_BLOCK * kb + kk / FP8_BLOCK,
+    })
+}
+
+/// `[rows, k]` to E4M3 with `len` scales, element (r, k) under scale `scale_of(r, k)`.
+fn fp8_quantize<T: Element>(
+    x: &[T],
+    rows: usize,
+    k: usize,
+    len: usize,
+    scale_of: impl Fn(usize, usize) -> usize,
+) -> Result<(Vec<u8>, Vec<f32>)> {
+    let mut amaxes = vec![0f32; len];
+    for r in 0..rows {
+        for (kk, v) in x[r * k..(r + 1) * k].iter().enumerate() {
+            let a = &mut amaxes[scale_of(r, kk)];
+            *a = a.max(v.to_f32().abs());
+        }
+    }
+    let scales: Vec<f32> = amaxes.into_iter().map(fp8_scale).collect();
+    let mut q = vec![0u8; rows * k];
+    for r in 0..rows {
+        for kk in 0..k {
+            q[r * k + kk] = super::fp8::e4m3_from_f32(x[r * k + kk].to_f32() / scales[scale_of(r, kk)]);
+        }
+    }
+    Ok((q, scales))
 }
 
 #[cfg(test)]

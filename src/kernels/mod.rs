@@ -22,6 +22,7 @@
 //! argument types into them.
 
 pub(crate) mod epilogue;
+pub(crate) mod fp8;
 pub(crate) mod operands;
 pub(crate) mod pack;
 pub(crate) mod rope;
@@ -29,6 +30,7 @@ pub(crate) mod scatter;
 pub(crate) mod schedule;
 pub(crate) mod team;
 
+pub use fp8::PackedFp8Weights;
 pub use pack::{PackedPlainWeights, PackedWeights};
 
 /// Largest head (in dims) the fused-RoPE epilogue rotates (its per-thread scratch size; the

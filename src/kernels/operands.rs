@@ -400,7 +400,7 @@ fn add_bias<T: Element>(out: &mut [f32], accs: &[f32], bias: &[T], through: impl
 
 /// The [`ROW_GROUPS`] groups of one tile row starting at `at`, as the one-row kernels take them
 /// (they write straight into the tile: no copy through a local array).
-fn four_groups(row: &mut [f32], at: usize) -> &mut [[f32; GROUP]; ROW_GROUPS] {
+pub(crate) fn four_groups(row: &mut [f32], at: usize) -> &mut [[f32; GROUP]; ROW_GROUPS] {
     row[at..at + ROW_GROUPS * GROUP].as_chunks_mut::<GROUP>().0.try_into().expect("ROW_GROUPS groups")
 }
 
@@ -518,8 +518,8 @@ mod tests {
             let a = Fp4Acts::prepare(aq.as_ref(), scalar, Team::One);
             let gs = std::array::from_fn(|g| w.fp8_group(g));
             let (mut w0, mut w1) = ([[0f32; GROUP]; ROW_GROUPS], [[0f32; GROUP]; ROW_GROUPS]);
-            fp8_row_v(scalar, false, &gs, &a.fp8_rows(&[0]), [&mut w0]);
-            fp8_row_v(scalar, false, &gs, &a.fp8_rows(&[1]), [&mut w1]);
+            fp8_row_v(scalar, false, &gs, &a.fp8_rows(&[0]), None, [&mut w0]);
+            fp8_row_v(scalar, false, &gs, &a.fp8_rows(&[1]), None, [&mut w1]);
             let want = [w0, w1].map(|x| x.map(|g| g.map(f32::to_bits)));
             for r in 0..2 {
                 assert!(want[r].iter().flatten().any(|&x| f32::from_bits(x).is_finite() && x != 0), "case {case}");
@@ -527,15 +527,83 @@ mod tests {
             for (&token, bits) in tokens.iter().flat_map(|t| [(t, false), (t, true)]) {
                 for r in 0..2 {
                     let mut got = [[0f32; GROUP]; ROW_GROUPS];
-                    fp8_row_v(token, bits, &gs, &a.fp8_rows(&[r]), [&mut got]);
+                    fp8_row_v(token, bits, &gs, &a.fp8_rows(&[r]), None, [&mut got]);
                     let got = got.map(|g| g.map(f32::to_bits));
                     assert_eq!(got, want[r], "case {case}, {token:?}, f32-bits decode {bits}, row {r} alone");
                 }
                 if row_rows(token) >= 2 {
                     let (mut g0, mut g1) = ([[0f32; GROUP]; ROW_GROUPS], [[0f32; GROUP]; ROW_GROUPS]);
-                    fp8_row_v(token, bits, &gs, &a.fp8_rows(&[0, 1]), [&mut g0, &mut g1]);
+                    fp8_row_v(token, bits, &gs, &a.fp8_rows(&[0, 1]), None, [&mut g0, &mut g1]);
                     let got = [g0, g1].map(|x| x.map(|g| g.map(f32::to_bits)));
                     assert_eq!(got, want, "case {case}, {token:?}, f32-bits decode {bits}, two rows");
+                }
+            }
+            // Outer span scales (FP8 W8A8 blocks): the decode kernels against each span run
+            // alone by the scalar kernel and combined (`total += span · (sa · sw)`), spans of 4
+            // and of 3 blocks (the last one partial: 16 blocks).
+            for sub in [4, 3] {
+                let spans = kb.div_ceil(sub);
+                let sa: Vec<Vec<f32>> =
+                    (0..2).map(|r| (0..spans).map(|j| 0.37 + (r + 2 * j) as f32 * 0.71).collect()).collect();
+                let sw: Vec<Vec<f32>> =
+                    (0..ROW_GROUPS).map(|g| (0..spans).map(|j| 1.3 - (g * 5 + j) as f32 * 0.09).collect()).collect();
+                let outer = crate::simd::fp8::Outer {
+                    sub,
+                    sa: std::array::from_fn(|r| &sa[r.min(1)][..]),
+                    sw: std::array::from_fn(|g| &sw[g][..]),
+                };
+                let mut want = [[[0f32; GROUP]; ROW_GROUPS]; 2];
+                for r in 0..2 {
+                    let rows = a.fp8_rows(&[r]);
+                    for j in 0..spans {
+                        let sg = gs.each_ref().map(|g| crate::simd::fp8::Fp8Group {
+                            w: &g.w[j * sub * 32 * GROUP..],
+                            ws: &g.ws[j * sub * GROUP..],
+                            v: 32,
+                            kb: sub.min(kb - j * sub),
+                        });
+                        let sr = crate::simd::fp8::Fp8Rows {
+                            a: rows.a.map(|x| &x[j * sub * 32..]),
+                            sc: rows.sc.map(|x| &x[j * sub..]),
+                            scf: rows.scf.map(|x| &x[j * sub..]),
+                            count: 1,
+                        };
+                        let mut part = [[0f32; GROUP]; ROW_GROUPS];
+                        assert!(fp8_row_v(scalar, false, &sg, &sr, None, [&mut part]));
+                        for g in 0..ROW_GROUPS {
+                            let s = sa[r][j] * sw[g][j];
+                            for c in 0..GROUP {
+                                want[r][g][c] += part[g][c] * s;
+                            }
+                        }
+                    }
+                }
+                let want = want.map(|x| x.map(|g| g.map(f32::to_bits)));
+                assert!(!fp8_row_v(
+                    scalar,
+                    false,
+                    &gs,
+                    &a.fp8_rows(&[0]),
+                    Some(&outer),
+                    [&mut [[0f32; GROUP]; ROW_GROUPS]]
+                ));
+                for (&token, bits) in tokens.iter().flat_map(|t| [(t, false), (t, true)]) {
+                    for r in 0..2 {
+                        let o1 = crate::simd::fp8::Outer { sub, sa: std::array::from_fn(|_| &sa[r][..]), sw: outer.sw };
+                        let mut got = [[0f32; GROUP]; ROW_GROUPS];
+                        assert!(fp8_row_v(token, bits, &gs, &a.fp8_rows(&[r]), Some(&o1), [&mut got]));
+                        assert_eq!(
+                            got.map(|g| g.map(f32::to_bits)),
+                            want[r],
+                            "case {case}, {token:?}, bits {bits}, spans of {sub}, row {r}"
+                        );
+                    }
+                    if row_rows(token) >= 2 {
+                        let (mut g0, mut g1) = ([[0f32; GROUP]; ROW_GROUPS], [[0f32; GROUP]; ROW_GROUPS]);
+                        assert!(fp8_row_v(token, bits, &gs, &a.fp8_rows(&[0, 1]), Some(&outer), [&mut g0, &mut g1]));
+                        let got = [g0, g1].map(|x| x.map(|g| g.map(f32::to_bits)));
+                        assert_eq!(got, want, "case {case}, {token:?}, bits {bits}, spans of {sub}, two rows");
+                    }
                 }
             }
         }

@@ -178,6 +178,232 @@ pub struct QkvFp4Args<'a> {
     pub rope: Option<QkvRope<'a>>,
 }
 
+/// Elements per scale block of [`Fp8Scales::Block`] along K, and weight rows per block (MAX's
+/// `scales_granularity_mnk = (1, 128, 128)`: activations in 1×128 blocks, weights in 128×128).
+pub const FP8_BLOCK: usize = 128;
+
+/// How an FP8 W8A8 product's scales are laid out ([`Fp8Scales`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Fp8Granularity {
+    /// One scale per tensor.
+    #[default]
+    Tensor,
+    /// One scale per token and one per weight row.
+    Channel,
+    /// 1×128 activation blocks, 128×128 weight blocks.
+    Block,
+}
+
+impl Fp8Granularity {
+    /// All three.
+    pub const ALL: [Fp8Granularity; 3] = [Fp8Granularity::Tensor, Fp8Granularity::Channel, Fp8Granularity::Block];
+    /// `tensor`, `channel` or `block`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Fp8Granularity::Tensor => "tensor",
+            Fp8Granularity::Channel => "channel",
+            Fp8Granularity::Block => "block",
+        }
+    }
+    /// Parses [`name`](Self::name).
+    pub fn from_name(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|g| g.name() == s)
+    }
+    /// The shapes of `(input_scale, weight_scale)` for `m` tokens and an `[n, k]` weight, as MAX
+    /// lays them out (what [`Fp8Scales::infer`] recognises).
+    pub fn scale_shapes(self, m: usize, n: usize, k: usize) -> ([usize; 2], [usize; 2]) {
+        let kb = k.div_ceil(FP8_BLOCK);
+        match self {
+            Fp8Granularity::Tensor => ([1, 1], [1, 1]),
+            Fp8Granularity::Channel => ([1, m], [n, 1]),
+            Fp8Granularity::Block => ([kb, m], [n.div_ceil(FP8_BLOCK), kb]),
+        }
+    }
+}
+
+/// The f32 scales of an FP8 W8A8 product ([`QkvFp8Args`]) and their granularity, as MAX's
+/// `_fused_qkv_ragged_matmul_scaled_float8` takes them (`input_scale`, `weight_scale`).
+/// [`Fp8Scales::infer`] picks the granularity from the two tensors' shapes, as MAX does.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Fp8Scales<'a> {
+    /// One scale per tensor (MAX: both `[1, 1]`, granularity `(-1, -1, -1)`).
+    Tensor {
+        /// The activations' scale.
+        input: f32,
+        /// The weight's scale.
+        weight: f32,
+    },
+    /// One scale per token and one per weight row (MAX: `input_scale [1, M]`,
+    /// `weight_scale [N, 1]`, granularity `(1, 1, -1)`). A one-element side is shared by every
+    /// token (or row): MAX reads past such a tensor, this crate broadcasts it.
+    Channel {
+        /// `[M]` or `[1]`.
+        input: &'a [f32],
+        /// `[N]` or `[1]`.
+        weight: &'a [f32],
+    },
+    /// Activations in 1×[`FP8_BLOCK`] blocks, weights in [`FP8_BLOCK`]² blocks (MAX's
+    /// `scales_granularity_mnk = (1, 128, 128)`, as DeepSeek-V3 and Qwen3 FP8 checkpoints store
+    /// them). Both are k-block-major, as MAX lays them out.
+    Block {
+        /// `[ceil(K/128), M]`: element `kb · M + m`.
+        input: &'a [f32],
+        /// `[ceil(N/128), ceil(K/128)]`: element `(n/128) · ceil(K/128) + kb`.
+        weight: &'a [f32],
+    },
+}
+
+impl<'a> Fp8Scales<'a> {
+    /// The granularity MAX infers from the scale tensors' shapes (for `M` tokens, `N` weight
+    /// rows, `K` columns): both `[1, 1]` (or `[]`, `[1]`) per tensor; `input [1, M]` with
+    /// `weight [N, 1]` per channel (either side may be `[1, 1]`); `input [ceil(K/128), M]` with
+    /// `weight [ceil(N/128), ceil(K/128)]` per block (MAX needs a `quant_config` for this one).
+    /// Anything else is an error naming the tensor whose shape does not fit.
+    pub fn infer(
+        (input, input_shape): (&'a [f32], &[usize]),
+        (weight, weight_shape): (&'a [f32], &[usize]),
+        (m, n, k): (usize, usize, usize),
+    ) -> Result<Self> {
+        let as2 = |arg: &'static str, s: &[usize], len: usize| -> Result<[usize; 2]> {
+            let d = match *s {
+                [] => [1, 1],
+                [a] => [1, a],
+                [a, b] => [a, b],
+                _ => return Err(Error::Shape { arg, expected: Expected::Rank(2), found: s.len() }),
+            };
+            check_tensor(arg, len, &d)?;
+            Ok(d)
+        };
+        let (si, sw) =
+            (as2("input_scale", input_shape, input.len())?, as2("weight_scale", weight_shape, weight.len())?);
+        let (kb, nb) = (k.div_ceil(FP8_BLOCK), n.div_ceil(FP8_BLOCK));
+        if si == [1, 1] && sw == [1, 1] {
+            return Ok(Fp8Scales::Tensor { input: input[0], weight: weight[0] });
+        }
+        if si[0] == 1 && sw[1] == 1 {
+            if si[1] != m && si[1] != 1 {
+                return Err(Error::dims("input_scale", &[1, m], input.len()));
+            }
+            if sw[0] != n && sw[0] != 1 {
+                return Err(Error::dims("weight_scale", &[n, 1], weight.len()));
+            }
+            return Ok(Fp8Scales::Channel { input, weight });
+        }
+        if si != [kb, m] {
+            return Err(Error::dims("input_scale", &[kb, m], input.len()));
+        }
+        if sw != [nb, kb] {
+            return Err(Error::dims("weight_scale", &[nb, kb], weight.len()));
+        }
+        Ok(Fp8Scales::Block { input, weight })
+    }
+
+    /// The granularity.
+    pub fn granularity(&self) -> Fp8Granularity {
+        match self {
+            Fp8Scales::Tensor { .. } => Fp8Granularity::Tensor,
+            Fp8Scales::Channel { .. } => Fp8Granularity::Channel,
+            Fp8Scales::Block { .. } => Fp8Granularity::Block,
+        }
+    }
+
+    /// The scales of granularity `g` over the slices (as [`Fp8Granularity::scale_shapes`] lays
+    /// them out; a tensor scale is element 0 of each, which must not be empty). The lengths
+    /// are checked by the operations.
+    pub fn of(g: Fp8Granularity, input: &'a [f32], weight: &'a [f32]) -> Self {
+        match g {
+            Fp8Granularity::Tensor => Fp8Scales::Tensor {
+                input: input.first().copied().unwrap_or(f32::NAN),
+                weight: weight.first().copied().unwrap_or(f32::NAN),
+            },
+            Fp8Granularity::Channel => Fp8Scales::Channel { input, weight },
+            Fp8Granularity::Block => Fp8Scales::Block { input, weight },
+        }
+    }
+
+    /// Checks the lengths for `m` tokens and an `[n, k]` weight, and that every scale is finite.
+    pub(crate) fn check(&self, m: usize, n: usize, k: usize) -> Result<()> {
+        let finite = |arg: &'static str, v: &[f32]| match v.iter().position(|x| !x.is_finite()) {
+            Some(index) => Err(Error::NonFinite { arg, index }),
+            None => Ok(()),
+        };
+        match *self {
+            Fp8Scales::Tensor { input, weight } => {
+                finite("input_scale", &[input])?;
+                finite("weight_scale", &[weight])
+            }
+            Fp8Scales::Channel { input, weight } => {
+                if input.len() != m && input.len() != 1 {
+                    return Err(Error::dims("input_scale", &[m], input.len()));
+                }
+                if weight.len() != n && weight.len() != 1 {
+                    return Err(Error::dims("weight_scale", &[n], weight.len()));
+                }
+                finite("input_scale", input)?;
+                finite("weight_scale", weight)
+            }
+            Fp8Scales::Block { input, weight } => {
+                let kb = k.div_ceil(FP8_BLOCK);
+                check_tensor("input_scale", input.len(), &[kb, m])?;
+                check_tensor("weight_scale", weight.len(), &[n.div_ceil(FP8_BLOCK), kb])?;
+                finite("input_scale", input)?;
+                finite("weight_scale", weight)
+            }
+        }
+    }
+
+    /// The activations' scale of row `m` (tensor and channel granularities).
+    #[inline]
+    pub(crate) fn input_of(&self, m: usize) -> f32 {
+        match *self {
+            Fp8Scales::Tensor { input, .. } => input,
+            Fp8Scales::Channel { input, .. } => input[if input.len() == 1 { 0 } else { m }],
+            Fp8Scales::Block { .. } => 1.0,
+        }
+    }
+
+    /// The f32 scale product of row `m`, column `n` (tensor and channel granularities), each
+    /// factor first rounded to `O` and the product rounded to `O` (MAX multiplies in the output
+    /// dtype: [semantics §4](crate::semantics)).
+    #[inline]
+    pub(crate) fn product<O: Element>(&self, m: usize, n: usize) -> f32 {
+        let r = |x: f32| O::from_f32(x).to_f32();
+        let (a, b) = match *self {
+            Fp8Scales::Tensor { input, weight } => (input, weight),
+            Fp8Scales::Channel { input, weight } => {
+                (input[if input.len() == 1 { 0 } else { m }], weight[if weight.len() == 1 { 0 } else { n }])
+            }
+            Fp8Scales::Block { .. } => return 1.0,
+        };
+        r(r(a) * r(b))
+    }
+}
+
+/// Arguments of [`qkv_fp8_ragged`](crate::reference::qkv_fp8_ragged) (MAX:
+/// `_fused_qkv_ragged_matmul_scaled_float8`, op `mo.fused_qkv_matmul.ragged.paged.scale`, with its
+/// `.bias` variant): FP8 E4M3 activations and weight (raw bytes, row-major), f32 scales.
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct QkvFp8Args<'a, B = half::bf16> {
+    /// `[M, hidden_size]` E4M3 bytes (`M = input_row_offsets[batch]`).
+    pub hidden_state: &'a [u8],
+    /// `[batch + 1]`, starting at 0, non-decreasing, ending at M.
+    pub input_row_offsets: &'a [u32],
+    /// `[N, hidden_size]` E4M3 bytes (Q | K | V rows).
+    pub weight: &'a [u8],
+    /// K.
+    pub hidden_size: usize,
+    /// The scales and their granularity.
+    pub scales: Fp8Scales<'a>,
+    /// Optional `[N]` bias, rounded to the output dtype and added there, after the scaling
+    /// (MAX's rounding: [semantics §4](crate::semantics)).
+    pub bias: Option<&'a [B]>,
+    /// Columns routed to `output`.
+    pub q_dim: usize,
+    /// RoPE on Q and the new K in the epilogue (`None`: no rotation).
+    pub rope: Option<QkvRope<'a>>,
+}
+
 /// Arguments of [`qkv_ragged`](crate::reference::qkv_ragged)
 /// (MAX: `fused_qkv_matmul_kv_cache_paged_ragged`, with its `_bias` variant).
 #[derive(Debug, Clone, Copy)]
@@ -362,6 +588,7 @@ pub(crate) use optional_parts;
 
 optional_parts!(QkvFp4Args<'a>);
 optional_parts!(QkvRaggedArgs<'a, T>, bias);
+optional_parts!(QkvFp8Args<'a, B>, bias);
 optional_parts!(QkvBshdArgs<'a, T>);
 
 impl<'a> QkvFp4Args<'a> {
@@ -392,6 +619,20 @@ impl<'a, T> QkvRaggedArgs<'a, T> {
         q_dim: usize,
     ) -> Self {
         QkvRaggedArgs { hidden_state, input_row_offsets, weight, hidden_size, bias: None, q_dim, rope: None }
+    }
+}
+
+impl<'a, B> QkvFp8Args<'a, B> {
+    /// The arguments without bias and RoPE.
+    pub fn new(
+        hidden_state: &'a [u8],
+        input_row_offsets: &'a [u32],
+        weight: &'a [u8],
+        hidden_size: usize,
+        scales: Fp8Scales<'a>,
+        q_dim: usize,
+    ) -> Self {
+        QkvFp8Args { hidden_state, input_row_offsets, weight, hidden_size, scales, bias: None, q_dim, rope: None }
     }
 }
 
@@ -988,4 +1229,30 @@ pub(crate) fn validate_fp4<C: Element>(
         None => Pooled::new(),
     };
     Ok((plan, positions))
+}
+
+/// Validates an FP8 W8A8 fused QKV call (`weight` is `[n, k]`, already checked) and returns its
+/// slot plan: the output dtype (bf16, f16 or f32: the scaling is computed in it), every check of
+/// the bf16/f16/f32 ragged QKV, then the scales (shapes for `M` tokens, finite).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn validate_fp8<O: Element, C: Element>(
+    hidden_len: usize,
+    input_row_offsets: &[u32],
+    (n, k): (usize, usize),
+    scales: &Fp8Scales<'_>,
+    bias_len: Option<usize>,
+    (q_dim, rope): (usize, Option<&QkvRope<'_>>),
+    output_len: usize,
+    kv: &KvWrite<'_, C>,
+) -> Result<(SlotPlan, Positions)> {
+    if O::DTYPE == crate::DType::F8E4M3 {
+        return Err(Error::Unsupported {
+            what: "an FP8 output for the FP8 W8A8 QKV (its scaling is computed in the output dtype: bf16, f16 or f32)"
+                .into(),
+        });
+    }
+    let plan = validate_qkv_ragged(hidden_len, input_row_offsets, (n, k), bias_len, (q_dim, rope), output_len, kv)?;
+    let m = input_row_offsets.last().map_or(0, |&x| x as usize);
+    scales.check(m, n, k)?;
+    Ok(plan)
 }

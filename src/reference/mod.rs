@@ -11,12 +11,13 @@ use crate::cache::{KvSel, KvWrite, PagedKvCacheMut, SlotPlan};
 use crate::element::{DType, Element, biased_exact};
 use crate::error::{Result, weight_rows};
 use crate::exact::{ExactSum, f32_parts};
-use crate::formats::fp8::{e4m3_to_units, e8m0_to_f32};
+use crate::formats::fp8::{e4m3_to_f32, e4m3_to_units, e8m0_to_f32};
 use crate::formats::{BlockFormat, QuantizedRef, fp4};
 use crate::ops::{
-    Accumulation, Freqs, KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, QkvRope,
-    RopeBshdArgs, RopeMath, RopeRaggedArgs, validate_fp4, validate_kv_store_bshd, validate_kv_store_ragged,
-    validate_qkv_bshd, validate_qkv_ragged, validate_rope_bshd, validate_rope_ragged, with_freqs,
+    Accumulation, FP8_BLOCK, Fp8Scales, Freqs, KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvFp8Args,
+    QkvRaggedArgs, QkvRope, RopeBshdArgs, RopeMath, RopeRaggedArgs, validate_fp4, validate_fp8, validate_kv_store_bshd,
+    validate_kv_store_ragged, validate_qkv_bshd, validate_qkv_ragged, validate_rope_bshd, validate_rope_ragged,
+    with_freqs,
 };
 
 /// Fused QKV projection of a ragged batch of block-scaled (NVFP4, MXFP4, MXFP8) activations with a
@@ -95,6 +96,113 @@ pub fn qkv_ragged<T: Element, O: Element, C: Element>(
     });
     fused_rope(args.rope.as_ref(), &positions, args.q_dim, output, kv, &plan);
     Ok(())
+}
+
+/// Fused QKV projection of a ragged batch of FP8 E4M3 activations with an E4M3 weight and f32
+/// scales per tensor, per channel or per 128-block (MAX's `_fused_qkv_ragged_matmul_scaled_float8`,
+/// op `mo.fused_qkv_matmul.ragged.paged.scale[.bias]`), routed as in [`qkv_fp4_ragged`]. The
+/// output dtype `O` (bf16, f16 or f32; MAX's is bf16) is where MAX scales and adds the bias
+/// ([semantics §4](crate::semantics)):
+///
+/// ```text
+/// tensor, channel: out = r_O( r_O(Σ_k a·w) · r_O(r_O(sa[m]) · r_O(sw[n])) )
+/// block:           out = r_O( Σ_k a·w · sa[k/128, m] · sw[n/128, k/128] )
+/// bias:            out = r_O( out + r_O(bias[n]) )
+/// ```
+///
+/// Q is `out`, K/V `out` cast to the cache dtype (FP8 saturates). The sums are formed as `mode`
+/// says; each `r_O(x · y)` and `r_O(x + y)` is the f32 operation rounded to `O`.
+#[doc(alias = "fused_qkv_matmul_kv_cache_paged_ragged_scale")]
+#[doc(alias = "_fused_qkv_ragged_matmul_scaled_float8")]
+pub fn qkv_fp8_ragged<B: Element, O: Element, C: Element>(
+    args: &QkvFp8Args<'_, B>,
+    output: &mut [O],
+    kv: &mut KvWrite<'_, C>,
+    mode: Accumulation,
+) -> Result<()> {
+    let k = args.hidden_size;
+    let n = weight_rows(args.weight, k)?;
+    let (plan, positions) = validate_fp8::<O, C>(
+        args.hidden_state.len(),
+        args.input_row_offsets,
+        (n, k),
+        &args.scales,
+        args.bias.map(|b| b.len()),
+        (args.q_dim, args.rope.as_ref()),
+        output.len(),
+        kv,
+    )?;
+    let m = args.hidden_state.len() / k;
+    route(n, args.q_dim, output, kv, &plan, None, |r, vals, _| {
+        for (j, v) in vals.iter_mut().enumerate() {
+            *v = fp8_value::<B, O>(args, (r, j), (m, k), mode) as f64;
+        }
+    });
+    fused_rope(args.rope.as_ref(), &positions, args.q_dim, output, kv, &plan);
+    Ok(())
+}
+
+/// One element of [`qkv_fp8_ragged`] in `O` (carried exactly in an f32).
+fn fp8_value<B: Element, O: Element>(
+    args: &QkvFp8Args<'_, B>,
+    (r, j): (usize, usize),
+    (m, k): (usize, usize),
+    mode: Accumulation,
+) -> f32 {
+    let (a, w) = (&args.hidden_state[r * k..(r + 1) * k], &args.weight[j * k..(j + 1) * k]);
+    let to_o = |x: f32| O::from_f32(x).to_f32();
+    let exact_o = |acc: ExactSum| O::from_f64(acc.to_f64_round_odd()).to_f32();
+    // The exact integer sum of E4M3 products over `range`, in units of 2^-18 (None: a NaN element).
+    let units = |range: std::ops::Range<usize>| -> Option<i128> {
+        range.map(|kk| Some(e4m3_to_units(a[kk])? as i128 * e4m3_to_units(w[kk])? as i128)).sum()
+    };
+    let scaled = match (args.scales, mode) {
+        (Fp8Scales::Block { input, weight }, Accumulation::Exact) => {
+            let kb = k.div_ceil(FP8_BLOCK);
+            let mut acc = ExactSum::new();
+            for b in 0..kb {
+                let Some(isum) = units(b * FP8_BLOCK..((b + 1) * FP8_BLOCK).min(k)) else { return f32::NAN };
+                let (sa, ea) = f32_parts(input[b * m + r]);
+                let (sw, ew) = f32_parts(weight[j / FP8_BLOCK * kb + b]);
+                acc.add(isum * (sa as i128 * sw as i128), -18 + ea + ew);
+            }
+            exact_o(acc)
+        }
+        (Fp8Scales::Block { input, weight }, Accumulation::Sequential) => {
+            // MAX's naive blockwise kernel: `accum += a_val * b_val * a_scale_factor * b_scale_factor`.
+            let kb = k.div_ceil(FP8_BLOCK);
+            let mut acc = 0f32;
+            for kk in 0..k {
+                let (sa, sw) = (input[kk / FP8_BLOCK * m + r], weight[j / FP8_BLOCK * kb + kk / FP8_BLOCK]);
+                acc += e4m3_to_f32(a[kk]) * e4m3_to_f32(w[kk]) * sa * sw;
+            }
+            to_o(acc)
+        }
+        (scales, mode) => {
+            let raw = match mode {
+                Accumulation::Exact => match units(0..k) {
+                    Some(isum) => {
+                        let mut acc = ExactSum::new();
+                        acc.add(isum, -18);
+                        exact_o(acc)
+                    }
+                    None => f32::NAN,
+                },
+                Accumulation::Sequential => {
+                    let mut acc = 0f32;
+                    for (x, y) in a.iter().zip(w) {
+                        acc = e4m3_to_f32(*x).mul_add(e4m3_to_f32(*y), acc);
+                    }
+                    to_o(acc)
+                }
+            };
+            to_o(raw * scales.product::<O>(r, j))
+        }
+    };
+    match args.bias {
+        Some(b) => to_o(scaled + to_o(b[j].to_f32())),
+        None => scaled,
+    }
 }
 
 /// Fused QKV projection of a padded `[batch, seq_len, hidden]` batch (MAX's

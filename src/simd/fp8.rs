@@ -48,6 +48,35 @@ pub(crate) struct Fp8Rows<'a> {
     pub count: usize,
 }
 
+/// Outer f32 scales per span of `sub` blocks (the FP8 W8A8 block granularity,
+/// `crate::kernels::fp8`): a decode kernel given them keeps each span's sum apart, starting from
+/// zero, and after the span adds `span · (sa[r][j] · sw[g][j])` (an f32 multiply, then an f32
+/// add: no FMA) to the result, j being the span's index — the bits of the span computed alone
+/// and combined so.
+pub(crate) struct Outer<'a> {
+    /// Blocks per span.
+    pub sub: usize,
+    /// Per row, per span.
+    pub sa: [&'a [f32]; MR],
+    /// Per group, per span.
+    pub sw: [&'a [f32]; super::ROW_GROUPS],
+}
+
+impl Outer<'_> {
+    /// The span index, if block `b` ends a span of `kb` blocks.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // only x86 has decode kernels
+    #[inline(always)]
+    pub fn at_end(&self, b: usize, kb: usize) -> Option<usize> {
+        ((b + 1).is_multiple_of(self.sub) || b + 1 == kb).then_some(b / self.sub)
+    }
+    /// The lengths the kernels index (safely) by: a span index for each of the `kb` blocks.
+    pub fn check(&self, kb: usize, rows: usize) {
+        assert!(self.sub >= 1);
+        let spans = kb.div_ceil(self.sub);
+        assert!(self.sa[..rows].iter().all(|s| s.len() >= spans) && self.sw.iter().all(|s| s.len() >= spans));
+    }
+}
+
 impl Fp8Group<'_> {
     /// The lengths every kernel's unchecked loads rely on. Panics on violation (a bug, not input).
     pub fn check(&self, rows: &Fp8Rows<'_>) {

@@ -61,7 +61,7 @@ mod x86;
 
 use crate::error::{Error, Result};
 use fp4::{Fp4Group, Fp4Rows, group_scalar};
-use fp8::{Fp8Group, Fp8Rows};
+use fp8::{Fp8Group, Fp8Rows, Outer};
 use plain::{PackedRows, PlainKind, PlainPanel, panel_scalar};
 use std::sync::OnceLock;
 
@@ -549,7 +549,7 @@ pub(crate) fn fp8_row<const R: usize>(
     rows: &Fp8Rows<'_>,
     out: [&mut [[f32; GROUP]; ROW_GROUPS]; R],
 ) {
-    fp8_row_v(token, fp8_bits_decode(), gs, rows, out)
+    fp8_row_v(token, fp8_bits_decode(), gs, rows, None, out);
 }
 
 /// The most rows [`fp4_row`] and [`fp8_row`] take at once on `token`'s ISA: 2 on AVX-512 (its 32
@@ -582,8 +582,9 @@ pub(crate) fn fp8_row_v<const R: usize>(
     bits: bool,
     gs: &[Fp8Group<'_>; ROW_GROUPS],
     rows: &Fp8Rows<'_>,
+    outer: Option<&Outer<'_>>,
     out: [&mut [[f32; GROUP]; ROW_GROUPS]; R],
-) {
+) -> bool {
     assert!(rows.count == R && R <= row_rows(token));
     for g in gs {
         g.check(rows);
@@ -595,18 +596,38 @@ pub(crate) fn fp8_row_v<const R: usize>(
         // proved every group's lengths for these rows, the groups share v and kb (asserted
         // above), and the guard checks the kernel's condition on v.
         Isa::Avx512 | Isa::Avx512Bf16 if bits && has_vbmi() && gs[0].v.is_multiple_of(4) && gs[0].v <= 32 => unsafe {
-            x86::fp8::fp8_row_avx512vbmi::<R>(gs, rows, out)
+            x86::fp8::fp8_row_avx512vbmi::<R>(gs, rows, outer, out)
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the token proves AVX-512 F and BW were detected; `check` proved every group's
         // lengths, and the groups share v and kb (asserted above).
-        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::fp8::fp8_row_avx512::<R>(gs, rows, out) },
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::fp8::fp8_row_avx512::<R>(gs, rows, outer, out) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the token proves AVX2, FMA and F16C were detected; lengths as above; R = 1
         // (`row_rows`, asserted above).
-        Isa::Avx2 => unsafe { x86::fp8::fp8_row_avx2(gs, rows, out.into_iter().next().expect("one row")) },
-        _ => by_group(gs, out, |g, tile| fp8_group(token, g, rows, tile)),
+        Isa::Avx2 => unsafe { x86::fp8::fp8_row_avx2(gs, rows, outer, out.into_iter().next().expect("one row")) },
+        _ => {
+            if outer.is_some() {
+                return false;
+            }
+            by_group(gs, out, |g, tile| fp8_group(token, g, rows, tile))
+        }
     }
+    true
+}
+
+/// [`fp8_row`] with [`Outer`] span scales (the FP8 W8A8 block granularity), where the ISA has a
+/// decode kernel (x86); `false`, with `out` unwritten, where it has none (the caller then runs
+/// each span alone).
+pub(crate) fn fp8_row_outer<const R: usize>(
+    token: IsaToken,
+    gs: &[Fp8Group<'_>; ROW_GROUPS],
+    rows: &Fp8Rows<'_>,
+    outer: &Outer<'_>,
+    out: [&mut [[f32; GROUP]; ROW_GROUPS]; R],
+) -> bool {
+    outer.check(gs[0].kb, R);
+    fp8_row_v(token, fp8_bits_decode(), gs, rows, Some(outer), out)
 }
 
 /// The decode dispatchers' fallback where the ISA has no decode kernel: the group kernel `run`

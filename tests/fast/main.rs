@@ -7,6 +7,7 @@ mod common;
 mod edges;
 #[path = "../oracle/fp4_setup.rs"]
 mod fp4_setup;
+mod fp8;
 mod plain;
 mod rope;
 

@@ -193,7 +193,7 @@ pub fn run<T: Element, O: Element, C: Element>(s: &Plain<T>, how: How, seed: u64
 }
 
 /// The cache index written by column `n ≥ q_dim` of row `i`, or None (a padded row).
-fn kv_index<T>(s: &Plain<T>, i: usize, n: usize) -> Option<usize> {
+pub fn kv_index<T>(s: &Plain<T>, i: usize, n: usize) -> Option<usize> {
     let (b, t, writes) = s.rows[i];
     if !writes {
         return None;
@@ -216,7 +216,7 @@ fn kv_index<T>(s: &Plain<T>, i: usize, n: usize) -> Option<usize> {
 
 /// (value to compare, Σ|a·w| + |bias|) of every written element, in output order then cache
 /// order, with its cache index (None for the output).
-fn elements<T: Element>(s: &Plain<T>) -> Vec<(usize, usize, Option<usize>)> {
+pub fn elements<T: Element>(s: &Plain<T>) -> Vec<(usize, usize, Option<usize>)> {
     let mut v = Vec::new();
     for i in 0..s.rows.len() {
         for n in 0..s.n {
@@ -265,7 +265,7 @@ pub fn check_bound<T: Element>(s: &Plain<T>, fast: &(Vec<f32>, Vec<f32>), exact:
     }
 }
 
-const SEED: u64 = 17;
+pub const SEED: u64 = 17;
 
 /// `vdpbf16ps` as its manual describes it: per pair, two f32 FMAs (odd element first) with
 /// subnormal inputs treated as zero and subnormal results flushed to zero; then the bias add and

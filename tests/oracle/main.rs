@@ -8,6 +8,7 @@ mod fp4_setup;
 mod layout;
 mod plain;
 mod qkv_fp4;
+mod qkv_fp8;
 mod quantize;
 mod robustness;
 mod rope;

@@ -4,12 +4,16 @@
 
 use super::{Bad, DtypeArg, progress, uniform};
 use paged_qkv::case::ModelShape;
-use paged_qkv::fast::{self, PackedPlainWeights, QkvFp4PackedArgs, QkvRaggedPackedArgs};
+use paged_qkv::fast::{
+    self, PackedFp8Weights, PackedPlainWeights, QkvFp4PackedArgs, QkvFp8PackedArgs, QkvRaggedPackedArgs,
+};
 use paged_qkv::formats::BlockFormat;
+use paged_qkv::formats::fp8::e4m3_from_f32;
 use paged_qkv::formats::quantize::{amax, nvfp4_global_scale, quantize};
 use paged_qkv::ops::{Freqs, QkvRope};
 use paged_qkv::{
-    CacheShape, Element, Exec, Isa, KvWrite, PackedWeights, PageTable, PagedKvCache, Par, RopeMath, Workers, bf16, f16,
+    CacheShape, Element, Exec, FP8_BLOCK, Fp8Scales, Isa, KvWrite, PackedWeights, PageTable, PagedKvCache, Par,
+    RopeMath, Workers, bf16, f16,
 };
 use rayon::prelude::*;
 use std::sync::Arc;
@@ -81,6 +85,8 @@ fn exec_for(threads: usize, par: ParArg, isa: Option<Isa>) -> Result<(Exec, rayo
 #[derive(Clone)]
 enum Packed {
     Fp4(BlockFormat, Arc<PackedWeights>),
+    /// FP8 W8A8: granularity 0 tensor, 1 channel, 2 block; the weight's scales.
+    Fp8(usize, Arc<PackedFp8Weights>, Arc<Vec<f32>>),
     Bf16(Arc<PackedPlainWeights<bf16>>),
     F16(Arc<PackedPlainWeights<f16>>),
     F32(Arc<PackedPlainWeights<f32>>),
@@ -111,6 +117,18 @@ impl Packed {
                 let bytes = wq.data().len() + wq.scales().len();
                 (Packed::Fp4(format, Arc::new(PackedWeights::new(wq.as_ref()))), format.name(), bytes)
             }
+            DtypeArg::Fp8 | DtypeArg::Fp8Channel | DtypeArg::Fp8Block => {
+                let (gran, name, scales) = match dt {
+                    DtypeArg::Fp8 => (0, "fp8 (tensor scales)", 1),
+                    DtypeArg::Fp8Channel => (1, "fp8 (channel scales)", n),
+                    _ => (2, "fp8 (128-block scales)", n.div_ceil(FP8_BLOCK) * k.div_ceil(FP8_BLOCK)),
+                };
+                // Uniform in [-1, 1) times 256: E4M3's range, with every code class in use.
+                let wq: Vec<u8> = w.iter().map(|&v| e4m3_from_f32(v * 256.0)).collect();
+                let sw: Vec<f32> = (0..scales).map(|i| (1.0 + (i % 7) as f32 / 8.0) / 4096.0).collect();
+                let bytes = wq.len() + 4 * sw.len();
+                (Packed::Fp8(gran, Arc::new(PackedFp8Weights::new(&wq, k)?), Arc::new(sw)), name, bytes)
+            }
             DtypeArg::Bf16 => plain::<bf16>(&w, k).map(|(p, b)| (Packed::Bf16(p), "bf16", b))?,
             DtypeArg::F16 => plain::<f16>(&w, k).map(|(p, b)| (Packed::F16(p), "f16", b))?,
             DtypeArg::F32 => plain::<f32>(&w, k).map(|(p, b)| (Packed::F32(p), "f32", b))?,
@@ -121,6 +139,7 @@ impl Packed {
     fn deep_clone(&self) -> Packed {
         match self {
             Packed::Fp4(f, p) => Packed::Fp4(*f, Arc::new((**p).clone())),
+            Packed::Fp8(g, p, s) => Packed::Fp8(*g, Arc::new((**p).clone()), s.clone()),
             Packed::Bf16(p) => Packed::Bf16(Arc::new((**p).clone())),
             Packed::F16(p) => Packed::F16(Arc::new((**p).clone())),
             Packed::F32(p) => Packed::F32(Arc::new((**p).clone())),
@@ -148,6 +167,27 @@ impl Packed {
                 Box::new(move |out, kv, rope, exec| {
                     let args = QkvFp4PackedArgs::new(a.as_ref(), &offs, &w, q_dim).with_rope(rope);
                     fast::qkv_fp4_ragged_packed(&args, out, kv, exec).expect("valid call");
+                })
+            }
+            Packed::Fp8(gran, w, sw) => {
+                // The activations quantized per tensor, token or block as the weight's scales say
+                // (a scale per token or block from its amax, as a dynamic quantizer would).
+                let (gran, w, sw) = (*gran, w.clone(), sw.clone());
+                let kb = k.div_ceil(FP8_BLOCK);
+                let si: Vec<f32> = match gran {
+                    0 => vec![1.0 / 448.0],
+                    1 => vec![1.0 / 448.0; mm],
+                    _ => vec![1.0 / 448.0; kb * mm],
+                };
+                let a: Vec<u8> = x.iter().map(|&v| e4m3_from_f32(v * 448.0)).collect();
+                Box::new(move |out, kv, rope, exec| {
+                    let scales = match gran {
+                        0 => Fp8Scales::Tensor { input: si[0], weight: sw[0] },
+                        1 => Fp8Scales::Channel { input: &si, weight: &sw },
+                        _ => Fp8Scales::Block { input: &si, weight: &sw },
+                    };
+                    let args = QkvFp8PackedArgs::<bf16>::new(&a, &offs, &w, scales, q_dim).with_rope(rope);
+                    fast::qkv_fp8_ragged_packed(&args, out, kv, exec).expect("valid call");
                 })
             }
             Packed::Bf16(w) => plain(w, &x, offs, q_dim),

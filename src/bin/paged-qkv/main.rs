@@ -10,8 +10,8 @@ use paged_qkv::formats::scale_layout::ScaleLayout;
 use paged_qkv::formats::{BlockFormat, QuantizedMatrix};
 use paged_qkv::ops::{Freqs, QkvRope};
 use paged_qkv::{
-    Accumulation, CacheShape, Exec, Isa, KvWrite, PackedWeights, PageTable, PagedKvCache, QkvFp4Args, RopeMath, bf16,
-    reference,
+    Accumulation, CacheShape, Exec, Fp8Granularity, Isa, KvWrite, PackedWeights, PageTable, PagedKvCache, QkvFp4Args,
+    RopeMath, bf16, reference,
 };
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -99,6 +99,9 @@ enum OpArg {
     /// bf16/f16/f32 fused QKV, ragged, with bias.
     #[value(name = "qkv_ragged")]
     QkvRagged,
+    /// FP8 W8A8 fused QKV (E4M3, f32 scales per tensor, channel or block), ragged.
+    #[value(name = "qkv_fp8_ragged")]
+    QkvFp8Ragged,
     /// bf16/f16/f32 fused QKV, padded BSHD.
     #[value(name = "qkv_bshd")]
     QkvBshd,
@@ -120,6 +123,7 @@ impl From<OpArg> for Op {
     fn from(o: OpArg) -> Op {
         match o {
             OpArg::QkvFp4Ragged => Op::QkvFp4Ragged,
+            OpArg::QkvFp8Ragged => Op::QkvFp8Ragged,
             OpArg::QkvRagged => Op::QkvRagged,
             OpArg::QkvBshd => Op::QkvBshd,
             OpArg::RopeBshd => Op::RopeBshd,
@@ -153,6 +157,27 @@ impl ModelArg {
     }
 }
 
+/// The scale granularity of an FP8 W8A8 case.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum GranularityArg {
+    /// One f32 scale per tensor.
+    Tensor,
+    /// Per token and per weight row.
+    Channel,
+    /// Per 1×128 activation block and 128×128 weight block.
+    Block,
+}
+
+impl From<GranularityArg> for Fp8Granularity {
+    fn from(g: GranularityArg) -> Fp8Granularity {
+        match g {
+            GranularityArg::Tensor => Fp8Granularity::Tensor,
+            GranularityArg::Channel => Fp8Granularity::Channel,
+            GranularityArg::Block => Fp8Granularity::Block,
+        }
+    }
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum FormatArg {
     Nvfp4,
@@ -178,6 +203,12 @@ enum DtypeArg {
     Mxfp4,
     /// Block-scaled MXFP8.
     Mxfp8,
+    /// FP8 W8A8 (E4M3 weights and activations), one f32 scale per tensor.
+    Fp8,
+    /// FP8 W8A8, f32 scales per token and per weight row.
+    Fp8Channel,
+    /// FP8 W8A8, f32 scales per 1×128 activation block and 128×128 weight block.
+    Fp8Block,
     /// bf16 weights and activations.
     Bf16,
     /// f16 weights and activations.
@@ -251,6 +282,9 @@ enum Cmd {
         /// Block format for qkv_fp4_ragged.
         #[arg(long, value_enum, default_value = "nvfp4")]
         format: FormatArg,
+        /// Scale granularity for qkv_fp8_ragged.
+        #[arg(long, value_enum, default_value = "tensor")]
+        granularity: GranularityArg,
         /// Store FP8 data and scales as F8_E4M3 / F8_E8M0 instead of U8 (U8 loads in safetensors.numpy).
         #[arg(long)]
         f8_dtypes: bool,
@@ -353,8 +387,9 @@ fn main() -> ExitCode {
             let opts = case::CheckOptions::new().with_compare_padded_q(compare_padded_q);
             check(&case, &actual, Tolerance { atol, rtol, ulps }, mode.into(), opts, rope_math)
         }
-        Cmd::MakeCase { op, model, batch, seed, format, f8_dtypes, out } => {
-            make_case(op.into(), model.shape(), batch, seed, format.into(), f8_dtypes, &out).map(|_| 0)
+        Cmd::MakeCase { op, model, batch, seed, format, granularity, f8_dtypes, out } => {
+            make_case(op.into(), model.shape(), batch, seed, (format.into(), granularity.into()), f8_dtypes, &out)
+                .map(|_| 0)
         }
         Cmd::Demo { threads } => pool(threads).and_then(|p| p.install(demo)).map(|_| 0),
         Cmd::Bench { model, threads, dtype, isa, par, decode_step: false, .. } => {
@@ -433,11 +468,16 @@ fn make_case(
     m: case::ModelShape,
     batch: usize,
     seed: u64,
-    f: BlockFormat,
+    (f, g): (BlockFormat, Fp8Granularity),
     f8_dtypes: bool,
     out: &PathBuf,
 ) -> Result<(), Bad> {
-    let c = case::make_with(op, m, batch, seed, f, MakeOptions { f8_dtypes })?;
+    let opts = MakeOptions { f8_dtypes };
+    let c = if op == Op::QkvFp8Ragged {
+        case::make_fp8(m, batch, seed, g, opts)?
+    } else {
+        case::make_with(op, m, batch, seed, f, opts)?
+    };
     std::fs::write(out, c.to_bytes()?).map_err(|e| Bad(format!("{}: {e}", out.display())))?;
     eprintln!("wrote {} ({} on {}, batch {batch})", out.display(), op.name(), m.name);
     Ok(())

@@ -5,7 +5,7 @@
 //! once for independent chains; on AMD Zen 5 and later the AVX-512 one decodes E4M3 straight
 //! into f32 bits by `vpermb` instead ([`fp8_row_avx512vbmi`]).
 
-use crate::simd::fp8::{Fp8Group, Fp8Rows};
+use crate::simd::fp8::{Fp8Group, Fp8Rows, Outer};
 use crate::simd::{GROUP, MR, ROW_GROUPS};
 use std::arch::x86_64::*;
 
@@ -207,6 +207,28 @@ fn rows_store<const R: usize>(out: [&mut [[f32; GROUP]; ROW_GROUPS]; R], acc: &[
     }
 }
 
+/// The end of block `b` of `kb` with [`Outer`] scales: where it ends a span,
+/// `total += acc · (sa · sw)` per row and group (multiply, then add) and `acc = 0`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn outer_end<const R: usize>(
+    outer: Option<&Outer<'_>>,
+    b: usize,
+    kb: usize,
+    acc: &mut [[__m512; ROW_GROUPS]; R],
+    total: &mut [[__m512; ROW_GROUPS]; R],
+) {
+    let Some(o) = outer else { return };
+    let Some(j) = o.at_end(b, kb) else { return };
+    for r in 0..R {
+        for gi in 0..ROW_GROUPS {
+            let s = _mm512_set1_ps(o.sa[r][j] * o.sw[gi][j]);
+            total[r][gi] = _mm512_add_ps(total[r][gi], _mm512_mul_ps(acc[r][gi], s));
+            acc[r][gi] = _mm512_setzero_ps();
+        }
+    }
+}
+
 /// R (1 or 2) activation rows against [`ROW_GROUPS`] adjacent groups (decode): per column the
 /// arithmetic of [`fp8_group_avx512`] (so the same bits), with one FMA chain per row and group
 /// where a single group has one per row: those chains' latency, not the weight bytes, bounded the
@@ -219,12 +241,14 @@ fn rows_store<const R: usize>(out: [&mut [[f32; GROUP]; ROW_GROUPS]; R], acc: &[
 pub(crate) unsafe fn fp8_row_avx512<const R: usize>(
     gs: &[Fp8Group<'_>; ROW_GROUPS],
     rows: &Fp8Rows<'_>,
+    outer: Option<&Outer<'_>>,
     out: [&mut [[f32; GROUP]; ROW_GROUPS]; R],
 ) {
     const G: usize = ROW_GROUPS;
     debug_assert_eq!(rows.count, R);
     let (v, kbs) = (gs[0].v, gs[0].kb);
     let mut acc = [[_mm512_setzero_ps(); G]; R];
+    let mut total = acc;
     for b in 0..kbs {
         let mut bs = [[_mm512_setzero_ps(); G]; R];
         for kk in (b * v..(b + 1) * v).step_by(2) {
@@ -243,8 +267,9 @@ pub(crate) unsafe fn fp8_row_avx512<const R: usize>(
         }
         // SAFETY: `check` passed for every group (the caller's obligation) and b < kb.
         unsafe { rows_block_end(gs, rows, b, &bs, &mut acc) };
+        outer_end(outer, b, kbs, &mut acc, &mut total);
     }
-    rows_store(out, &acc);
+    rows_store(out, if outer.is_some() { &total } else { &acc });
 }
 
 /// The AVX2 one-row kernel: [`fp8_group_avx2`]'s decode and arithmetic (so the same bits) on
@@ -261,6 +286,7 @@ pub(crate) unsafe fn fp8_row_avx512<const R: usize>(
 pub(crate) unsafe fn fp8_row_avx2(
     gs: &[Fp8Group<'_>; ROW_GROUPS],
     rows: &Fp8Rows<'_>,
+    outer: Option<&Outer<'_>>,
     out: &mut [[f32; GROUP]; ROW_GROUPS],
 ) {
     const G: usize = ROW_GROUPS;
@@ -273,6 +299,12 @@ pub(crate) unsafe fn fp8_row_avx2(
     for o in out.iter_mut() {
         *o = [0.0; GROUP];
     }
+    // With outer scales the blocks accumulate in `part`, which each span's end adds to `out`.
+    let mut part = [[0f32; GROUP]; G];
+    let (acc, mut total) = match outer {
+        Some(_) => (&mut part, Some(out)),
+        None => (out, None),
+    };
     for b in 0..kbs {
         let mut bs = [[_mm256_setzero_ps(); 2]; G];
         for kk in (b * v..(b + 1) * v).step_by(2) {
@@ -293,7 +325,7 @@ pub(crate) unsafe fn fp8_row_avx2(
                 s[1] = _mm256_fmadd_ps(a1, w1h, _mm256_fmadd_ps(a0, w0h, s[1]));
             }
         }
-        for (g, (s, o)) in gs.iter().zip(bs.iter().zip(out.iter_mut())) {
+        for (g, (s, o)) in gs.iter().zip(bs.iter().zip(acc.iter_mut())) {
             for (half, sh) in s.iter().enumerate() {
                 // SAFETY: `check` proved ws.len() ≥ kb · 16.
                 let sb =
@@ -302,6 +334,17 @@ pub(crate) unsafe fn fp8_row_avx2(
                 let dst = &mut o[half * 8..half * 8 + 8];
                 // SAFETY: dst holds 8 f32.
                 unsafe { _mm256_storeu_ps(dst.as_mut_ptr(), _mm256_fmadd_ps(*sh, sc, _mm256_loadu_ps(dst.as_ptr()))) };
+            }
+        }
+        if let (Some(o), Some(t)) = (outer, total.as_deref_mut())
+            && let Some(j) = o.at_end(b, kbs)
+        {
+            for (gi, (tg, pg)) in t.iter_mut().zip(acc.iter_mut()).enumerate() {
+                let s = o.sa[0][j] * o.sw[gi][j];
+                for (x, p) in tg.iter_mut().zip(pg.iter_mut()) {
+                    *x += *p * s;
+                    *p = 0.0;
+                }
             }
         }
     }
@@ -333,6 +376,7 @@ const ACT_UP: f32 = f32::from_bits((127 + 112) << 23);
 pub(crate) unsafe fn fp8_row_avx512vbmi<const R: usize>(
     gs: &[Fp8Group<'_>; ROW_GROUPS],
     rows: &Fp8Rows<'_>,
+    outer: Option<&Outer<'_>>,
     out: [&mut [[f32; GROUP]; ROW_GROUPS]; R],
 ) {
     const G: usize = ROW_GROUPS;
@@ -356,6 +400,7 @@ pub(crate) unsafe fn fp8_row_avx512vbmi<const R: usize>(
     let keep = _mm512_set1_epi32(0x87F0_0000u32 as i32);
     let mut up = [[0f32; 32]; R];
     let mut acc = [[_mm512_setzero_ps(); G]; R];
+    let mut total = acc;
     for b in 0..kbs {
         // This block's activations times 2¹¹², where the FMAs broadcast them from.
         for (u, a) in up.iter_mut().zip(rows.a) {
@@ -383,8 +428,9 @@ pub(crate) unsafe fn fp8_row_avx512vbmi<const R: usize>(
         }
         // SAFETY: `check` passed for every group (the caller's obligation) and b < kb.
         unsafe { rows_block_end(gs, rows, b, &bs, &mut acc) };
+        outer_end(outer, b, kbs, &mut acc, &mut total);
     }
-    rows_store(out, &acc);
+    rows_store(out, if outer.is_some() { &total } else { &acc });
 }
 
 /// Decodes blocks `b0 .. b1` of the groups `gs` (1 or 2, same `v`) into `dst[(kk − b0·V)·16·G +
