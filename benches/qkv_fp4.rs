@@ -8,7 +8,7 @@
 //! a plain read of the same FP4 weight + scale bytes; the crate's scalar reference (M = 1); peak
 //! loops of `vpdpbusd`, of the AVX2 `vpmaddubsw` chain and of f32 FMA, in `peak/ops`.
 
-use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main, measurement::WallTime};
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use paged_qkv::fast::{matmul_fp4_packed, qkv_fp4_ragged_packed};
 use paged_qkv::formats::quantize::{amax, dequantize, nvfp4_global_scale, quantize};
 use paged_qkv::formats::{BlockFormat, QuantizedMatrix};
@@ -17,27 +17,10 @@ use paged_qkv::{
     bf16, reference,
 };
 use std::hint::black_box;
-use std::time::Duration;
 
-struct Model {
-    name: &'static str,
-    k: usize,
-    hq: usize,
-    hkv: usize,
-    hd: usize,
-}
-
-const LLAMA: Model = Model { name: "llama3-8b", k: 4096, hq: 32, hkv: 8, hd: 128 };
-const QWEN: Model = Model { name: "qwen2.5-0.5b", k: 896, hq: 14, hkv: 2, hd: 64 };
-
-impl Model {
-    fn n(&self) -> usize {
-        (self.hq + 2 * self.hkv) * self.hd
-    }
-    fn q_dim(&self) -> usize {
-        self.hq * self.hd
-    }
-}
+#[path = "common/fixtures.rs"]
+mod fixtures;
+use fixtures::*;
 
 fn random(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed | 1;
@@ -53,10 +36,6 @@ fn random(n: usize, seed: u64) -> Vec<f32> {
 
 fn quant(format: BlockFormat, x: &[f32], rows: usize, k: usize) -> QuantizedMatrix {
     quantize(format, x, rows, k, nvfp4_global_scale(amax(x))).unwrap()
-}
-
-fn pool(threads: usize) -> rayon::ThreadPool {
-    rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap()
 }
 
 /// A paged bf16 cache and page table for `m` new tokens in one sequence.
@@ -89,26 +68,6 @@ fn w_scale() -> f32 {
 mod exec;
 use exec::exec;
 
-fn plain_read(bytes: &[u8]) -> u64 {
-    let mut acc = [0u64; 4];
-    for c in bytes.chunks_exact(32) {
-        for (i, a) in acc.iter_mut().enumerate() {
-            *a = a.wrapping_add(u64::from_le_bytes(c[i * 8..i * 8 + 8].try_into().unwrap()));
-        }
-    }
-    acc.iter().fold(0, |x, y| x ^ y)
-}
-
-fn plain_read_par(bytes: &[u8], threads: usize) -> u64 {
-    if threads == 1 {
-        return plain_read(bytes);
-    }
-    let half = bytes.len() / 2 / 32 * 32;
-    let (a, b) = bytes.split_at(half);
-    let (x, y) = rayon::join(|| plain_read(a), || plain_read(b));
-    x ^ y
-}
-
 fn gemm_f32(m: usize, n: usize, k: usize, a: &[f32], w: &[f32], out: &mut [f32], threads: usize) {
     let par = if threads == 1 { gemm::Parallelism::None } else { gemm::Parallelism::Rayon(threads) };
     // SAFETY: a is [m, k], w is [n, k] (read as Wᵀ: row stride 1, column stride k), out is [m, n],
@@ -136,12 +95,6 @@ fn gemm_f32(m: usize, n: usize, k: usize, a: &[f32], w: &[f32], out: &mut [f32],
             par,
         )
     }
-}
-
-fn setup_group<'a>(c: &'a mut Criterion, name: &str) -> BenchmarkGroup<'a, WallTime> {
-    let mut g = c.benchmark_group(name);
-    g.sample_size(10).warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(2));
-    g
 }
 
 /// GFLOP/s of the fused op and of `gemm` f32, for each model, M, thread count and format.

@@ -8,32 +8,15 @@
 //!   layer) against a plain read of the weight's E4M3 and scale bytes, 1 and 2 threads;
 //! * `peak/ops`: the FMA peak loops themselves.
 
-use criterion::{BenchmarkGroup, Criterion, criterion_group, criterion_main, measurement::WallTime};
+use criterion::{Criterion, criterion_group, criterion_main};
 use paged_qkv::fast::{PackedFp8Weights, QkvFp8PackedArgs, qkv_fp8_ragged_packed};
 use paged_qkv::formats::quantize::{quantize_fp8_input, quantize_fp8_weight};
 use paged_qkv::{CacheShape, Fp8Granularity, Fp8Scales, Isa, KvWrite, PageTable, PagedKvCache, bf16};
 use std::hint::black_box;
-use std::time::Duration;
 
-struct Model {
-    name: &'static str,
-    k: usize,
-    hq: usize,
-    hkv: usize,
-    hd: usize,
-}
-
-const LLAMA: Model = Model { name: "llama3-8b", k: 4096, hq: 32, hkv: 8, hd: 128 };
-const QWEN: Model = Model { name: "qwen2.5-0.5b", k: 896, hq: 14, hkv: 2, hd: 64 };
-
-impl Model {
-    fn n(&self) -> usize {
-        (self.hq + 2 * self.hkv) * self.hd
-    }
-    fn q_dim(&self) -> usize {
-        self.hq * self.hd
-    }
-}
+#[path = "common/fixtures.rs"]
+mod fixtures;
+use fixtures::*;
 
 fn random(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed | 1;
@@ -45,10 +28,6 @@ fn random(n: usize, seed: u64) -> Vec<f32> {
             ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
         })
         .collect()
-}
-
-fn pool(threads: usize) -> rayon::ThreadPool {
-    rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap()
 }
 
 /// A paged bf16 cache and page table for `m` new tokens in one sequence.
@@ -82,32 +61,6 @@ fn fused(a: &Acts, w: &PackedFp8Weights, sw: &[f32], g: Fp8Granularity, q_dim: u
 #[path = "common/exec.rs"]
 mod exec;
 use exec::exec;
-
-fn plain_read(bytes: &[u8]) -> u64 {
-    let mut acc = [0u64; 4];
-    for c in bytes.chunks_exact(32) {
-        for (i, a) in acc.iter_mut().enumerate() {
-            *a = a.wrapping_add(u64::from_le_bytes(c[i * 8..i * 8 + 8].try_into().unwrap()));
-        }
-    }
-    acc.iter().fold(0, |x, y| x ^ y)
-}
-
-fn plain_read_par(bytes: &[u8], threads: usize) -> u64 {
-    if threads == 1 {
-        return plain_read(bytes);
-    }
-    let half = bytes.len() / 2 / 32 * 32;
-    let (a, b) = bytes.split_at(half);
-    let (x, y) = rayon::join(|| plain_read(a), || plain_read(b));
-    x ^ y
-}
-
-fn setup_group<'a>(c: &'a mut Criterion, name: &str) -> BenchmarkGroup<'a, WallTime> {
-    let mut g = c.benchmark_group(name);
-    g.sample_size(10).warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(2));
-    g
-}
 
 #[path = "common/peak.rs"]
 mod peak;

@@ -12,39 +12,18 @@
 //! full BSHD batch), and the median per-pair ratio is printed (`common/paired.rs`), so the VM's
 //! drift between groups stays out of the ratio.
 
-use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main, measurement::WallTime};
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use paged_qkv::fast::{PackedPlainWeights, QkvBshdPackedArgs, QkvRaggedPackedArgs, matmul_plain_packed};
 use paged_qkv::{CacheShape, Element, Exec, Isa, KvWrite, PageTable, PagedKvCache, bf16, f16};
 use std::hint::black_box;
-use std::time::Duration;
 
-struct Model {
-    name: &'static str,
-    k: usize,
-    hq: usize,
-    hkv: usize,
-    hd: usize,
-}
-
-const LLAMA: Model = Model { name: "llama3-8b", k: 4096, hq: 32, hkv: 8, hd: 128 };
-const QWEN: Model = Model { name: "qwen2.5-0.5b", k: 896, hq: 14, hkv: 2, hd: 64 };
-
-impl Model {
-    fn n(&self) -> usize {
-        (self.hq + 2 * self.hkv) * self.hd
-    }
-    fn q_dim(&self) -> usize {
-        self.hq * self.hd
-    }
-}
+#[path = "common/fixtures.rs"]
+mod fixtures;
+use fixtures::*;
 
 fn random<T: Element>(n: usize, seed: u64, scale: f32) -> Vec<T> {
     let mut rng = fastrand::Rng::with_seed(seed);
     (0..n).map(|_| T::from_f32((rng.f32() - 0.5) * 2.0 * scale)).collect()
-}
-
-fn pool(threads: usize) -> rayon::ThreadPool {
-    rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap()
 }
 
 #[path = "common/exec.rs"]
@@ -91,26 +70,6 @@ fn bshd(x: &[bf16], w: &PackedPlainWeights<bf16>, valid: &[u32; 8], q_dim: usize
     paged_qkv::fast::qkv_bshd_packed(&args, out, &mut c.kv(), exec()).unwrap()
 }
 
-fn plain_read(bytes: &[u8]) -> u64 {
-    let mut acc = [0u64; 4];
-    for c in bytes.chunks_exact(32) {
-        for (i, a) in acc.iter_mut().enumerate() {
-            *a = a.wrapping_add(u64::from_le_bytes(c[i * 8..i * 8 + 8].try_into().unwrap()));
-        }
-    }
-    acc.iter().fold(0, |x, y| x ^ y)
-}
-
-fn plain_read_par(bytes: &[u8], threads: usize) -> u64 {
-    if threads == 1 {
-        return plain_read(bytes);
-    }
-    let half = bytes.len() / 2 / 32 * 32;
-    let (a, b) = bytes.split_at(half);
-    let (x, y) = rayon::join(|| plain_read(a), || plain_read(b));
-    x ^ y
-}
-
 /// `out = x · wᵀ` with the `gemm` crate (f32 or f16), row-major, `w` `[n, k]`.
 #[allow(clippy::too_many_arguments)]
 fn gemm_baseline<T: Copy + 'static>(
@@ -150,12 +109,6 @@ fn gemm_baseline<T: Copy + 'static>(
             par,
         )
     }
-}
-
-fn setup_group<'a>(c: &'a mut Criterion, name: &str) -> BenchmarkGroup<'a, WallTime> {
-    let mut g = c.benchmark_group(name);
-    g.sample_size(10).warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(2));
-    g
 }
 
 /// GFLOP/s of the fused op (bf16, f32; f16 on Llama at M ≥ 64), of the same kernels into a plain

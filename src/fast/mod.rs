@@ -4,6 +4,7 @@
 //! | operation | raw weight (packed per call) | prepacked weight (a server's path) |
 //! |---|---|---|
 //! | block-scaled fused QKV (NVFP4, MXFP4, MXFP8) | [`qkv_fp4_ragged`] | [`qkv_fp4_ragged_packed`] ([`PackedWeights`]) |
+//! | FP8 W8A8 fused QKV (E4M3, f32 scales per tensor, channel or 128-block; + bias) | [`qkv_fp8_ragged`] | [`qkv_fp8_ragged_packed`] ([`PackedFp8Weights`]) |
 //! | bf16/f16/f32 fused QKV, ragged (+ bias) | [`qkv_ragged`] | [`qkv_ragged_packed`] ([`PackedPlainWeights`]) |
 //! | bf16/f16/f32 fused QKV, padded BSHD | [`qkv_bshd`] | [`qkv_bshd_packed`] |
 //! | the same kernels into a plain `[M, N]` matrix | | [`matmul_fp4_packed`], [`matmul_plain_packed`] |
@@ -30,6 +31,10 @@
 //! * MXFP8 (every ISA: E4M3 widened exactly through IEEE half, f32 FMAs) also sums inside a
 //!   block in f32:
 //!   `≤ (K + Kb + 2) · 2^-24 · Σ_k |term| · |tensor_sf|`.
+//! * FP8 W8A8: the sum `Σ a·w` as MXFP8's (unit block scales) before its rounding to the output
+//!   dtype, `≤ (K + Kb + 2) · 2^-24 · Σ_k |a·w|`; with 128-block scales
+//!   `≤ (K + Kb + 3·⌈K/128⌉ + 2) · 2^-24 · Σ_k |a·w·sa·sw|`. The scale and bias steps that follow
+//!   (in the output dtype, as MAX) are the oracle's operations.
 //! * bf16/f16/f32: `≤ (K + 2) · 2^-24 · Σ_k |a_k · w_k|` for the product (a chain of K FMAs);
 //!   AVX-512 BF16 adds up to `K · 2^-126` where it flushes subnormals. A bias is added as MAX adds
 //!   it, to the product rounded to the destination's dtype (the same step in every mode:
@@ -62,8 +67,8 @@ use crate::ops::optional_parts;
 use crate::ops::{
     Fp8Scales, KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvFp8Args, QkvRaggedArgs, QkvRope,
     RopeBshdArgs, RopeMath, RopeRaggedArgs, check_tensor, kv_store_bshd_slots, kv_store_ragged_slots, rope_bshd_slots,
-    rope_ragged_slots, validate_fp4, validate_fp8, validate_kv_store_bshd, validate_kv_store_ragged, validate_qkv_bshd,
-    validate_qkv_ragged, validate_rope_bshd, validate_rope_ragged, with_freqs,
+    rope_ragged_slots, validate_fp4, validate_fp8, validate_fp8_args, validate_kv_store_bshd, validate_kv_store_ragged,
+    validate_qkv_bshd, validate_qkv_ragged, validate_rope_bshd, validate_rope_ragged, with_freqs,
 };
 pub use crate::simd::Isa;
 use crate::simd::IsaToken;
@@ -485,19 +490,8 @@ pub fn qkv_fp8_ragged<B: Element, O: Element, C: Element>(
     exec: Exec,
 ) -> Result<()> {
     let token = IsaToken::new(exec.isa)?;
-    let k = args.hidden_size;
-    let n = weight_rows(args.weight, k)?;
-    let plan = validate_fp8::<O, C>(
-        args.hidden_state.len(),
-        args.input_row_offsets,
-        (n, k),
-        &args.scales,
-        args.bias.map(|b| b.len()),
-        (args.q_dim, args.rope.as_ref()),
-        output.len(),
-        kv,
-    )?;
-    let packed = PackedFp8Weights::pack(args.weight, k, exec.team())?;
+    let (_, plan) = validate_fp8_args::<B, O, C>(args, output.len(), kv)?;
+    let packed = PackedFp8Weights::pack(args.weight, args.hidden_size, exec.team())?;
     let packed_args = QkvFp8PackedArgs {
         hidden_state: args.hidden_state,
         input_row_offsets: args.input_row_offsets,

@@ -1256,3 +1256,24 @@ pub(crate) fn validate_fp8<O: Element, C: Element>(
     scales.check(m, n, k)?;
     Ok(plan)
 }
+
+/// [`validate_fp8`] for a [`QkvFp8Args`] call (N from the weight's length): N and the slot plan.
+pub(crate) fn validate_fp8_args<B, O: Element, C: Element>(
+    args: &QkvFp8Args<'_, B>,
+    output_len: usize,
+    kv: &KvWrite<'_, C>,
+) -> Result<(usize, (SlotPlan, Positions))> {
+    let k = args.hidden_size;
+    let n = crate::error::weight_rows(args.weight, k)?;
+    let plan = validate_fp8::<O, C>(
+        args.hidden_state.len(),
+        args.input_row_offsets,
+        (n, k),
+        &args.scales,
+        args.bias.map(|b| b.len()),
+        (args.q_dim, args.rope.as_ref()),
+        output_len,
+        kv,
+    )?;
+    Ok((n, plan))
+}

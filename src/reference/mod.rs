@@ -15,9 +15,9 @@ use crate::formats::fp8::{e4m3_to_f32, e4m3_to_units, e8m0_to_f32};
 use crate::formats::{BlockFormat, QuantizedRef, fp4};
 use crate::ops::{
     Accumulation, FP8_BLOCK, Fp8Scales, Freqs, KvStoreBshdArgs, KvStoreRaggedArgs, QkvBshdArgs, QkvFp4Args, QkvFp8Args,
-    QkvRaggedArgs, QkvRope, RopeBshdArgs, RopeMath, RopeRaggedArgs, validate_fp4, validate_fp8, validate_kv_store_bshd,
-    validate_kv_store_ragged, validate_qkv_bshd, validate_qkv_ragged, validate_rope_bshd, validate_rope_ragged,
-    with_freqs,
+    QkvRaggedArgs, QkvRope, RopeBshdArgs, RopeMath, RopeRaggedArgs, validate_fp4, validate_fp8_args,
+    validate_kv_store_bshd, validate_kv_store_ragged, validate_qkv_bshd, validate_qkv_ragged, validate_rope_bshd,
+    validate_rope_ragged, with_freqs,
 };
 
 /// Fused QKV projection of a ragged batch of block-scaled (NVFP4, MXFP4, MXFP8) activations with a
@@ -120,18 +120,8 @@ pub fn qkv_fp8_ragged<B: Element, O: Element, C: Element>(
     kv: &mut KvWrite<'_, C>,
     mode: Accumulation,
 ) -> Result<()> {
+    let (n, (plan, positions)) = validate_fp8_args::<B, O, C>(args, output.len(), kv)?;
     let k = args.hidden_size;
-    let n = weight_rows(args.weight, k)?;
-    let (plan, positions) = validate_fp8::<O, C>(
-        args.hidden_state.len(),
-        args.input_row_offsets,
-        (n, k),
-        &args.scales,
-        args.bias.map(|b| b.len()),
-        (args.q_dim, args.rope.as_ref()),
-        output.len(),
-        kv,
-    )?;
     let m = args.hidden_state.len() / k;
     route(n, args.q_dim, output, kv, &plan, None, |r, vals, _| {
         for (j, v) in vals.iter_mut().enumerate() {

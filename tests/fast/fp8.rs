@@ -341,3 +341,33 @@ fn fp8_fused_rope_equals_qkv_then_rope() {
         }
     }
 }
+
+/// Small enough for Miri (`cargo +nightly miri test --test fast miri_`, about a minute): the FP8
+/// W8A8 path with 128-block scales (unit-scale operands, two spans, the epilogue's steps)
+/// sequential and on a `Workers` team (the parallel scatter; rayon's is `miri_sized_parallel_call`),
+/// the same bits, within the bound of the true sum.
+#[test]
+fn miri_sized_fp8_call() {
+    let mut rng = Rng::new(91);
+    let mut cfg = random_cfg(&mut rng, true);
+    (cfg.k, cfg.hq, cfg.hkv, cfg.hd, cfg.mla, cfg.bias, cfg.page) = (130, 1, 1, 16, None, true, 2);
+    cfg.lens = vec![1, 0, 1];
+    cfg.cache_lengths = vec![1, 0, 3];
+    let s: Plain<f32> = setup(&mut rng, &cfg);
+    let m = s.rows.len();
+    let f = Fp8 {
+        x: s.x.iter().map(|&v| e4m3_from_f32(v * 64.0)).collect(),
+        w: s.w.iter().map(|&v| e4m3_from_f32(v * 64.0)).collect(),
+        m,
+        gran: 2,
+        input: (0..2 * m).map(|_| scale(&mut rng)).collect(),
+        weight: (0..2).map(|_| scale(&mut rng)).collect(),
+        bias: s.bias.as_ref().map(|b| b.iter().map(|&v| bf16::from_f32(v)).collect()),
+        s,
+    };
+    let seq_run = run::<bf16, bf16>(&f, How::Fast(Exec::sequential()));
+    check_bound(&f, &seq_run);
+    let seq = bits(&seq_run);
+    let team = Exec::on(paged_qkv::Workers::shared(2).unwrap());
+    assert_eq!(seq, bits(&run::<bf16, bf16>(&f, How::Fast(team))), "workers");
+}
