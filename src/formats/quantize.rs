@@ -10,8 +10,10 @@
 //! * MXFP8: `sf = e8m0_roundup(amax / 448)`, `q = e4m3(x / dec(sf))`.
 //!
 //! * FP8 W8A8 ([`quantize_fp8_input`], [`quantize_fp8_weight`]): per tensor, per row or per
-//!   128-block, `scale = amax / 448` (1 where `amax` is 0), `q = e4m3(x / scale)` (saturating);
-//!   the f32 scales laid out as [`Fp8Granularity::scale_shapes`] says.
+//!   128-block, MAX's dynamic FP8 quantizer (`quantize_dynamic_scaled_fp8` with f32 scales,
+//!   without its `scale_ub` cap): `scale = amax / 448`, `q = e4m3(x · (1 / scale))` (saturating;
+//!   an all-zero group has scale 0 and codes 0); the f32 scales laid out as
+//!   [`Fp8Granularity::scale_shapes`] says.
 //!
 //! One deliberate difference from MAX's GPU quantizer: a scale that overflows E4M3 saturates to 448
 //! (MAX's plain cast gives NaN, quirk K17).
@@ -146,15 +148,18 @@ pub fn dequantize(q: QuantizedRef<'_>, tensor_scale: f32) -> Vec<f32> {
     out
 }
 
-/// `amax / 448`, or 1 where that is 0 or not finite (an all-zero block).
-fn fp8_scale(amax: f32) -> f32 {
+/// The scale `amax / 448` and the reciprocal the elements are multiplied by, as MAX's
+/// `compute_dynamic_fp8_scale` forms them (`fp8_quantization.mojo`, without its `scale_ub` cap):
+/// the reciprocal is 0 where the scale is 0 or its reciprocal is not finite.
+fn fp8_scale(amax: f32) -> (f32, f32) {
     let s = amax / E4M3_MAX;
-    if s > 0.0 && s.is_finite() { s } else { 1.0 }
+    let r = if s == 0.0 { 0.0 } else { 1.0 / s };
+    (s, if r.is_finite() { r } else { 0.0 })
 }
 
 /// Quantizes FP8 W8A8 activations `[m, k]` (row-major) at granularity `g`: the E4M3 bytes and
 /// the f32 `input_scale` (`[1, 1]`, `[1, m]` or `[ceil(k/128), m]`), each scale `amax / 448` of
-/// its tensor, token or 1×128 block, as a dynamic per-token quantizer forms it.
+/// its tensor, token or 1×128 block, as MAX's dynamic quantizer forms it (module docs).
 pub fn quantize_fp8_input<T: Element>(x: &[T], m: usize, k: usize, g: Fp8Granularity) -> Result<(Vec<u8>, Vec<f32>)> {
     check_len_2d("x", x.len(), m, k)?;
     let kb = k.div_ceil(FP8_BLOCK);
@@ -206,11 +211,11 @@ fn fp8_quantize<T: Element>(
             *a = a.max(v.to_f32().abs());
         }
     }
-    let scales: Vec<f32> = amaxes.into_iter().map(fp8_scale).collect();
+    let (scales, recips): (Vec<f32>, Vec<f32>) = amaxes.into_iter().map(fp8_scale).unzip();
     let mut q = vec![0u8; rows * k];
     for r in 0..rows {
         for kk in 0..k {
-            q[r * k + kk] = super::fp8::e4m3_from_f32(x[r * k + kk].to_f32() / scales[scale_of(r, kk)]);
+            q[r * k + kk] = super::fp8::e4m3_from_f32(x[r * k + kk].to_f32() * recips[scale_of(r, kk)]);
         }
     }
     Ok((q, scales))

@@ -196,11 +196,11 @@ fn the_fp8_quantizers_scale_by_amax_over_448_per_tensor_row_or_block() {
             }
         }
     }
-    // Weights per 128×128 block: [ceil(N/128), ceil(K/128)]; an all-zero block gets scale 1.
+    // Weights per 128×128 block: [ceil(N/128), ceil(K/128)]; an all-zero block gets scale 0.
     let n = 130;
     let mut w = vec![0f32; n * k];
     w[129 * k + 5] = -896.0; // row 129 is in row block 1, column block 0
     let (_, s) = quantize_fp8_weight(&w, n, k, G::Block).unwrap();
-    assert_eq!(s, vec![1.0, 1.0, 2.0, 1.0]);
+    assert_eq!(s, vec![0.0, 0.0, 2.0, 0.0]);
     assert!(quantize_fp8_weight(&w, n, k + 1, G::Tensor).is_err());
 }
