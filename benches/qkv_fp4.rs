@@ -13,8 +13,7 @@ use paged_qkv::fast::{matmul_fp4_packed, qkv_fp4_ragged_packed};
 use paged_qkv::formats::quantize::{amax, dequantize, nvfp4_global_scale, quantize};
 use paged_qkv::formats::{BlockFormat, QuantizedMatrix};
 use paged_qkv::{
-    Accumulation, CacheShape, Exec, Isa, KvWrite, PackedWeights, PageTable, PagedKvCache, QkvFp4Args, QkvFp4PackedArgs,
-    bf16, reference,
+    Accumulation, Exec, Isa, KvWrite, PackedWeights, PageTable, QkvFp4Args, QkvFp4PackedArgs, bf16, reference,
 };
 use std::hint::black_box;
 
@@ -22,33 +21,8 @@ use std::hint::black_box;
 mod fixtures;
 use fixtures::*;
 
-fn random(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
-        })
-        .collect()
-}
-
 fn quant(format: BlockFormat, x: &[f32], rows: usize, k: usize) -> QuantizedMatrix {
     quantize(format, x, rows, k, nvfp4_global_scale(amax(x))).unwrap()
-}
-
-/// A paged bf16 cache and page table for `m` new tokens in one sequence.
-struct Cache {
-    cache: PagedKvCache<bf16>,
-    lookup: Vec<u32>,
-    lens: [u32; 1],
-}
-
-fn cache_for(model: &Model, m: usize) -> Cache {
-    let pages = m.div_ceil(128) + 1;
-    let shape = CacheShape::mha(pages + 1, 1, 128, model.hkv, model.hd).unwrap();
-    Cache { cache: PagedKvCache::zeros(shape), lookup: (0..pages as u32).collect(), lens: [0] }
 }
 
 fn fused(a: &QuantizedMatrix, w: &PackedWeights, q_dim: usize, out: &mut [bf16], c: &mut Cache, exec: Exec) {

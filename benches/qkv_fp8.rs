@@ -11,37 +11,12 @@
 use criterion::{Criterion, criterion_group, criterion_main};
 use paged_qkv::fast::{PackedFp8Weights, QkvFp8PackedArgs, qkv_fp8_ragged_packed};
 use paged_qkv::formats::quantize::{quantize_fp8_input, quantize_fp8_weight};
-use paged_qkv::{CacheShape, Fp8Granularity, Fp8Scales, Isa, KvWrite, PageTable, PagedKvCache, bf16};
+use paged_qkv::{Fp8Granularity, Fp8Scales, Isa, KvWrite, PageTable, bf16};
 use std::hint::black_box;
 
 #[path = "common/fixtures.rs"]
 mod fixtures;
 use fixtures::*;
-
-fn random(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
-        })
-        .collect()
-}
-
-/// A paged bf16 cache and page table for `m` new tokens in one sequence.
-struct Cache {
-    cache: PagedKvCache<bf16>,
-    lookup: Vec<u32>,
-    lens: [u32; 1],
-}
-
-fn cache_for(model: &Model, m: usize) -> Cache {
-    let pages = m.div_ceil(128) + 1;
-    let shape = CacheShape::mha(pages + 1, 1, 128, model.hkv, model.hd).unwrap();
-    Cache { cache: PagedKvCache::zeros(shape), lookup: (0..pages as u32).collect(), lens: [0] }
-}
 
 /// Quantized activations: E4M3 codes and their scales.
 struct Acts {

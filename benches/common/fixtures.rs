@@ -3,6 +3,7 @@
 #![allow(dead_code)] // each bench uses its own subset
 
 use criterion::{BenchmarkGroup, Criterion, measurement::WallTime};
+use paged_qkv::{CacheShape, PagedKvCache, bf16};
 use std::time::Duration;
 
 pub struct Model {
@@ -24,6 +25,33 @@ impl Model {
     pub fn q_dim(&self) -> usize {
         self.hq * self.hd
     }
+}
+
+/// Uniform values in [-1, 1) from a seeded xorshift (the block-scaled benches' inputs).
+pub fn random(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
+        })
+        .collect()
+}
+
+/// A paged bf16 cache and page table for `m` new tokens in one sequence.
+pub struct Cache {
+    pub cache: PagedKvCache<bf16>,
+    pub lookup: Vec<u32>,
+    pub lens: [u32; 1],
+}
+
+/// [`Cache`] of 128-token pages for `m` new tokens of `model`.
+pub fn cache_for(model: &Model, m: usize) -> Cache {
+    let pages = m.div_ceil(128) + 1;
+    let shape = CacheShape::mha(pages + 1, 1, 128, model.hkv, model.hd).unwrap();
+    Cache { cache: PagedKvCache::zeros(shape), lookup: (0..pages as u32).collect(), lens: [0] }
 }
 
 pub fn pool(threads: usize) -> rayon::ThreadPool {
