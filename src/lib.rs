@@ -34,7 +34,7 @@ mod pool;
 mod simd;
 mod workers;
 
-pub use cache::{CacheShape, KvSel, KvWrite, PageTable, PagedKvCache, PagedKvCacheMut};
+pub use cache::{CacheShape, KvScales, KvScalesMut, KvSel, KvWrite, PageTable, PagedKvCache, PagedKvCacheMut};
 pub use element::{DType, Element};
 pub use error::{Error, Expected, Result, TokenRef};
 pub use fast::{Exec, Isa, Par, QkvBshdPackedArgs, QkvFp4PackedArgs, QkvFp8PackedArgs, QkvRaggedPackedArgs, Workers};

@@ -1,6 +1,7 @@
 //! Differential fuzzing of every fast entry point against the scalar ISA (bit for bit) and the
 //! oracle (the same errors with nothing written; on success the oracle's bits for RoPE and the KV
-//! stores, the documented error bound for the matmuls).
+//! stores, the documented error bound for the matmuls), and of the writes into a quantized cache
+//! (codes and scales bit for bit, errors with nothing written).
 //! `cargo +nightly fuzz run fast_paths -- -max_total_time=60`
 #![no_main]
 
@@ -9,8 +10,8 @@ use paged_qkv::formats::scale_layout::ScaleLayout;
 use paged_qkv::formats::{BlockFormat, QuantizedRef};
 use paged_qkv::ops::{Freqs, QkvRope};
 use paged_qkv::{
-    Accumulation, CacheShape, Element, Exec, Isa, KvSel, KvStoreRaggedArgs, KvWrite, PageTable, PagedKvCache, Par,
-    QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, RopeMath, RopeRaggedArgs, bf16, fast, reference,
+    Accumulation, CacheShape, E4M3, Element, Exec, Isa, KvScales, KvSel, KvStoreRaggedArgs, KvWrite, PageTable,
+    PagedKvCache, Par, QkvBshdArgs, QkvFp4Args, QkvRaggedArgs, RopeMath, RopeRaggedArgs, bf16, fast, reference,
 };
 
 /// Bytes as a stream of small numbers.
@@ -55,6 +56,38 @@ fn run<O: Element, C: Element>(
         Ok(()) => Ok((bits(&out), bits(cache.data()))),
         Err(e) => {
             assert_eq!(bits(cache.data()), c0, "a failing call changed the cache: {e}");
+            assert_eq!(bits(&out), o0, "a failing call changed the output: {e}");
+            Err(e)
+        }
+    }
+}
+
+/// [`run`] into an FP8-quantized cache (E4M3 codes, scales per `g` elements, made for `scales_for`,
+/// which may not be the cache's shape): an error leaves codes, scales and output unchanged; on
+/// success the output's bits and the codes' then the scales' bits.
+fn run_q<O: Element>(
+    (shape, scales_for, g): (CacheShape, CacheShape, usize),
+    out_len: usize,
+    table: &PageTable<'_>,
+    layer: usize,
+    f: impl FnOnce(&mut [O], &mut KvWrite<'_, E4M3>) -> paged_qkv::Result<()>,
+) -> Run {
+    let codes = (0..shape.len()).map(|i| E4M3((i * 37 % 0x7E) as u8 | (i as u8 & 0x80))).collect();
+    let mut cache = PagedKvCache::<E4M3>::from_vec(shape, codes).unwrap();
+    let mut scales = KvScales::zeros(scales_for, g)?;
+    let sv: Vec<f32> = (0..scales.data().len()).map(|i| (i % 7) as f32 * 0.125).collect();
+    scales = KvScales::from_vec(scales_for, g, sv).unwrap();
+    let mut out: Vec<O> = (0..out_len).map(|i| O::from_f32(i as f32 * 0.5)).collect();
+    let (c0, s0, o0) = (bits(cache.data()), bits(scales.data()), bits(&out));
+    let r = {
+        let mut kv = KvWrite::new(cache.view_mut(), *table, layer).with_scales(scales.view_mut());
+        f(&mut out, &mut kv)
+    };
+    match r {
+        Ok(()) => Ok((bits(&out), bits(cache.data()).into_iter().chain(bits(scales.data())).collect())),
+        Err(e) => {
+            assert_eq!(bits(cache.data()), c0, "a failing call changed the codes: {e}");
+            assert_eq!(bits(scales.data()), s0, "a failing call changed the scales: {e}");
             assert_eq!(bits(&out), o0, "a failing call changed the output: {e}");
             Err(e)
         }
@@ -168,6 +201,63 @@ fuzz_target!(|data: &[u8]| {
             .maybe_position_ids(ids.as_deref())
             .with_math(if s.below(2) == 0 { RopeMath::F32 } else { RopeMath::MaxCompat })
     });
+
+    // A quantized cache (sometimes with scales of another shape or a granularity that does not
+    // divide the head): a store, a RoPE or a bf16 fused QKV, fast (every ISA) against the oracle,
+    // bit for bit.
+    if s.below(5) == 0 {
+        let g = [2, 4, hd, 3, 1][s.below(5)];
+        let other = CacheShape::new(
+            shape.num_blocks() + 1,
+            shape.kv_dim(),
+            shape.num_layers(),
+            shape.page_size(),
+            shape.num_kv_heads(),
+            hd,
+        )
+        .unwrap();
+        let sfor = if s.below(8) == 0 { other } else { shape };
+        let q = (shape, sfor, g);
+        let vals: Vec<bf16> =
+            (0..m.max(1) * 4 * kvw.max(hd * 3)).map(|_| bf16::from_f32(s.below(64) as f32 / 8.0 - 4.0)).collect();
+        let (fast, oracle) = match s.below(3) {
+            0 => {
+                let which = if s.below(2) == 0 { KvSel::K } else { KvSel::V };
+                let args = KvStoreRaggedArgs::new(&vals[..m * kvw], &offsets, which);
+                let fast = all_isas(|e| run_q::<f32>(q, 0, &table, layer, |_, kv| fast::kv_store_ragged(&args, kv, e)));
+                (fast, run_q::<f32>(q, 0, &table, layer, |_, kv| reference::kv_store_ragged(&args, kv)))
+            }
+            1 => {
+                let hq = s.below(3) + 1;
+                let rd = 2 * (s.below(hd / 2) + 1);
+                let qv = &vals[..m * hq * hd];
+                let f: Vec<bf16> =
+                    paged_qkv::freqs_cis(s.below(24) + 1, rd, 1000.0).into_iter().map(bf16::from_f32).collect();
+                let args = RopeRaggedArgs::new(qv, &offsets, (hq, hd), &f, rd, s.below(2) == 0)
+                    .maybe_position_ids(ids.as_deref());
+                let math = if s.below(2) == 0 { RopeMath::F32 } else { RopeMath::MaxCompat };
+                let fast = all_isas(|e| {
+                    run_q::<bf16>(q, qv.len(), &table, layer, |o, kv| fast::rope_ragged(&args, o, kv, math, e))
+                });
+                (fast, run_q::<bf16>(q, qv.len(), &table, layer, |o, kv| reference::rope_ragged(&args, o, kv, math)))
+            }
+            _ => {
+                let k = s.below(20) + 1;
+                let x = &vals[..m * k];
+                let w: Vec<bf16> = (0..n * k).map(|_| bf16::from_f32((s.below(9) as f32 - 4.0) / 8.0)).collect();
+                let args = QkvRaggedArgs::new(x, &offsets, &w, k, q_dim).maybe_rope(rope);
+                let out_len = m * q_dim;
+                let fast =
+                    all_isas(|e| run_q::<bf16>(q, out_len, &table, layer, |o, kv| fast::qkv_ragged(&args, o, kv, e)));
+                let oracle = run_q::<bf16>(q, out_len, &table, layer, |o, kv| {
+                    reference::qkv_ragged(&args, o, kv, Accumulation::Exact)
+                });
+                (fast, oracle)
+            }
+        };
+        assert_eq!(fast, oracle, "quantized cache");
+        return;
+    }
 
     match s.below(4) {
         // Block-scaled fused QKV.

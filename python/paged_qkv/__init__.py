@@ -24,6 +24,12 @@ another call uses wait for it). ``mode`` is ``"exact"`` (the oracle, exact accum
 ``"sequential"`` (MAX's CPU order: an f32 FMA chain) or ``"fast"`` (the SIMD kernels); RoPE's
 rounding is its own argument (``rope_math``, MAX's by default), the same bits in every mode. ``threads`` picks a team of that many threads (a ``Workers`` team, built once per size and kept; its threads spin briefly after each call, then park);
 ``threads=1`` runs on the calling thread; ``None`` uses all cores.
+
+A quantized cache (MAX's FP8 KV cache): ``kv_blocks`` of ``float8_e4m3fn`` (or ``uint8``) codes and
+``kv_scales=`` float32 ``[num_blocks, kv_dim, num_layers, page_size, num_kv_heads, head_size / g]``
+(one scale per ``g`` elements of a head, MAX's default ``g`` 128), both written in place by every
+operation (each written group: ``scale = amax / 448``, codes ``E4M3(x / scale)``; RoPE dequantizes,
+rotates and requantizes the K). Semantics: docs/semantics.md §3.1.
 """
 
 from __future__ import annotations
@@ -291,7 +297,8 @@ def isa() -> str:
 
 def qkv_fp4_ragged(
     hidden_state, input_scale, input_row_offsets, weight, weight_scale, kv_blocks, cache_lengths,
-    kv_lookup_table, layer_idx: int, tensor_sf: float, *, format: Optional[str] = None, q_dim: Optional[int] = None,
+    kv_lookup_table, layer_idx: int, tensor_sf: float, *, kv_scales=None, format: Optional[str] = None,
+    q_dim: Optional[int] = None,
     output_dtype: Optional[str] = None, rope: Optional[Mapping[str, Any]] = None, mode: str = "exact",
     threads: Optional[int] = None, out=None,
 ):
@@ -311,13 +318,13 @@ def qkv_fp4_ragged(
     return _native.qkv_fp4_ragged(
         hidden_state, input_scale, input_row_offsets, weight, weight_scale, kv_blocks, cache_lengths,
         kv_lookup_table, layer_idx, tensor_sf, format=format, q_dim=q_dim, output_dtype=output_dtype, rope=rope,
-        mode=mode, threads=threads, out=out,
+        kv_scales=kv_scales, mode=mode, threads=threads, out=out,
     )
 
 
 def qkv_fp8_ragged(
     hidden_state, input_scale, input_row_offsets, weight, weight_scale, kv_blocks, cache_lengths, kv_lookup_table,
-    layer_idx: int, *, bias=None, q_dim: Optional[int] = None, output_dtype: Optional[str] = None,
+    layer_idx: int, *, kv_scales=None, bias=None, q_dim: Optional[int] = None, output_dtype: Optional[str] = None,
     rope: Optional[Mapping[str, Any]] = None, mode: str = "exact", threads: Optional[int] = None, out=None,
 ):
     """MAX's FP8 W8A8 fused QKV (``_fused_qkv_ragged_matmul_scaled_float8``, op
@@ -334,13 +341,15 @@ def qkv_fp8_ragged(
     take that value cast to the cache's dtype. ``rope`` as in :func:`qkv_fp4_ragged`."""
     return _native.qkv_fp8_ragged(
         hidden_state, input_scale, input_row_offsets, weight, weight_scale, kv_blocks, cache_lengths,
-        kv_lookup_table, layer_idx, bias=bias, q_dim=q_dim, output_dtype=output_dtype, rope=rope, mode=mode,
+        kv_lookup_table, layer_idx, bias=bias, q_dim=q_dim, output_dtype=output_dtype, rope=rope,
+        kv_scales=kv_scales, mode=mode,
         threads=threads, out=out,
     )
 
 
 def qkv_ragged(
     hidden_state, input_row_offsets, weight, kv_blocks, cache_lengths, kv_lookup_table, layer_idx: int, *,
+    kv_scales=None,
     bias=None, q_dim: Optional[int] = None, output_dtype: Optional[str] = None,
     rope: Optional[Mapping[str, Any]] = None, mode: str = "exact", threads: Optional[int] = None, out=None,
 ):
@@ -351,12 +360,14 @@ def qkv_ragged(
     :func:`pack_weight` once). ``rope`` as in :func:`qkv_fp4_ragged`."""
     return _native.qkv_ragged(
         hidden_state, input_row_offsets, weight, kv_blocks, cache_lengths, kv_lookup_table, layer_idx,
-        bias=bias, q_dim=q_dim, output_dtype=output_dtype, rope=rope, mode=mode, threads=threads, out=out,
+        bias=bias, q_dim=q_dim, output_dtype=output_dtype, rope=rope, kv_scales=kv_scales, mode=mode, threads=threads,
+        out=out,
     )
 
 
 def qkv_bshd(
     hidden_state, weight, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx: int, *,
+    kv_scales=None,
     q_dim: Optional[int] = None, output_dtype: Optional[str] = None, rope: Optional[Mapping[str, Any]] = None,
     mode: str = "exact", threads: Optional[int] = None, out=None,
 ):
@@ -365,12 +376,12 @@ def qkv_bshd(
     in :func:`qkv_ragged`; ``rope`` rotates whole heads of rows ``t < valid_lengths[b]``."""
     return _native.qkv_bshd(
         hidden_state, weight, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx,
-        q_dim=q_dim, output_dtype=output_dtype, rope=rope, mode=mode, threads=threads, out=out,
+        q_dim=q_dim, output_dtype=output_dtype, rope=rope, kv_scales=kv_scales, mode=mode, threads=threads, out=out,
     )
 
 
 def rope_bshd(
-    q_proj, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx: int, *,
+    q_proj, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx: int, *, kv_scales=None,
     interleaved: bool = True, rope_math: str = "max", output=None, mode: str = "exact",
     threads: Optional[int] = None, out=None,
 ):
@@ -385,12 +396,12 @@ def rope_bshd(
         out = output.clone() if hasattr(output, "clone") else np.array(output, copy=True)
     return _native.rope_bshd(
         q_proj, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx,
-        interleaved=interleaved, rope_math=rope_math, mode=mode, threads=threads, out=out,
+        interleaved=interleaved, rope_math=rope_math, kv_scales=kv_scales, mode=mode, threads=threads, out=out,
     )
 
 
 def rope_ragged(
-    q_proj, input_row_offsets, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, layer_idx: int, *,
+    q_proj, input_row_offsets, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, layer_idx: int, *, kv_scales=None,
     interleaved: bool = True, position_ids=None, rope_math: str = "max", mode: str = "exact",
     threads: Optional[int] = None, out=None,
 ):
@@ -400,31 +411,31 @@ def rope_ragged(
     ``rope_math`` as in :func:`rope_bshd`."""
     return _native.rope_ragged(
         q_proj, input_row_offsets, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, layer_idx,
-        interleaved=interleaved, position_ids=position_ids, rope_math=rope_math, mode=mode, threads=threads,
+        interleaved=interleaved, position_ids=position_ids, rope_math=rope_math, kv_scales=kv_scales, mode=mode, threads=threads,
         out=out,
     )
 
 
 def kv_store_ragged(
-    values, input_row_offsets, kv_blocks, cache_lengths, kv_lookup_table, layer_idx: int, *, cache: str = "k",
+    values, input_row_offsets, kv_blocks, cache_lengths, kv_lookup_table, layer_idx: int, *, kv_scales=None, cache: str = "k",
     mode: str = "exact", threads: Optional[int] = None,
 ) -> None:
     """MAX's ``kv_cache_store_ragged``: stores ``values [M, kv_heads, D]`` as K (or V, ``cache="v"``)
     at ``cache_lengths[b] + t``."""
     _native.kv_store_ragged(
-        values, input_row_offsets, kv_blocks, cache_lengths, kv_lookup_table, layer_idx, cache=cache, mode=mode,
+        values, input_row_offsets, kv_blocks, cache_lengths, kv_lookup_table, layer_idx, cache=cache, kv_scales=kv_scales, mode=mode,
         threads=threads,
     )
 
 
 def kv_store_bshd(
-    values, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx: int, *, cache: str = "k",
+    values, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx: int, *, kv_scales=None, cache: str = "k",
     mode: str = "exact", threads: Optional[int] = None,
 ) -> None:
     """MAX's ``kv_cache_store_padded``: stores ``values [batch, seq, kv_heads, D]`` for
     ``t < valid_lengths[b]``."""
     _native.kv_store_bshd(
-        values, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx, cache=cache, mode=mode,
+        values, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx, cache=cache, kv_scales=kv_scales, mode=mode,
         threads=threads,
     )
 

@@ -13,9 +13,9 @@ use crate::pools;
 use paged_qkv::fast::{self, QkvBshdPackedArgs, QkvFp4PackedArgs, QkvFp8PackedArgs, QkvRaggedPackedArgs};
 use paged_qkv::ops::{Freqs, QkvRope};
 use paged_qkv::{
-    Accumulation, BlockFormat, CacheShape, E4M3, Exec, Fp8Scales, KvSel, KvStoreBshdArgs, KvStoreRaggedArgs, KvWrite,
-    PageTable, PagedKvCacheMut, QkvBshdArgs, QkvFp4Args, QkvFp8Args, QkvRaggedArgs, QuantizedRef, RopeBshdArgs,
-    RopeMath, RopeRaggedArgs, bf16, f16, reference,
+    Accumulation, BlockFormat, CacheShape, E4M3, Exec, Fp8Scales, KvScalesMut, KvSel, KvStoreBshdArgs,
+    KvStoreRaggedArgs, KvWrite, PageTable, PagedKvCacheMut, QkvBshdArgs, QkvFp4Args, QkvFp8Args, QkvRaggedArgs,
+    QuantizedRef, RopeBshdArgs, RopeMath, RopeRaggedArgs, bf16, f16, reference,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -118,6 +118,8 @@ struct CacheIn<'py> {
     lookup: Arg<'py>,
     cols: usize,
     layer: usize,
+    /// A quantized cache's `kv_scales` and its granularity (`head_size / kv_scales.shape[5]`).
+    scales: Option<(Arg<'py>, usize)>,
 }
 
 impl<'py> CacheIn<'py> {
@@ -126,11 +128,16 @@ impl<'py> CacheIn<'py> {
         cache_lengths: &Bound<'py, PyAny>,
         kv_lookup_table: &Bound<'py, PyAny>,
         layer: usize,
+        kv_scales: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Self> {
         let kv = Arg::new(kv_blocks, "kv_blocks", true)?;
         let kvf = float_of(&kv, true)?;
         let dims = kv.rank(6, "[num_blocks, kv_dim, num_layers, page_size, num_kv_heads, head_size]")?;
         let shape = CacheShape::from_dims(dims).map_err(fail)?;
+        let scales = match kv_scales {
+            None => None,
+            Some(obj) => Some(quantized_scales(obj, &kv, kvf, shape)?),
+        };
         let lens = Arg::new(cache_lengths, "cache_lengths", false)?;
         let batch = lens.rank(1, "[batch]")?[0];
         let lookup = Arg::new(kv_lookup_table, "kv_lookup_table", false)?;
@@ -142,12 +149,57 @@ impl<'py> CacheIn<'py> {
             ));
         }
         let cols = ls[1];
-        Ok(CacheIn { kv, kvf, shape, lens, lookup, cols, layer })
+        Ok(CacheIn { kv, kvf, shape, lens, lookup, cols, layer, scales })
     }
 
-    fn descs(&self) -> [(&Desc, bool); 3] {
-        [(self.kv.d(), true), (self.lens.d(), false), (self.lookup.d(), false)]
+    fn descs(&self) -> Vec<(&Desc, bool)> {
+        let mut d = vec![(self.kv.d(), true), (self.lens.d(), false), (self.lookup.d(), false)];
+        if let Some((s, _)) = &self.scales {
+            d.push((s.d(), true));
+        }
+        d
     }
+}
+
+/// `kv_scales` of a quantized cache: float32 `[num_blocks, kv_dim, num_layers, page_size,
+/// num_kv_heads, head_size / g]` (the cache's first five dimensions) on a float8_e4m3fn (or uint8)
+/// cache; `g`, the granularity, from its last dimension.
+fn quantized_scales<'py>(
+    obj: &Bound<'py, PyAny>,
+    kv: &Arg<'py>,
+    kvf: Float,
+    shape: CacheShape,
+) -> PyResult<(Arg<'py>, usize)> {
+    let s = Arg::new(obj, "kv_scales", true)?;
+    if kvf != Float::E4m3 {
+        return Err(type_err(
+            "kv_scales",
+            format!("scales quantize a float8_e4m3fn (or uint8) cache; kv_blocks is {}", kv.d().dt.name()),
+        ));
+    }
+    if float_of(s.d(), false)? != Float::F32 {
+        return Err(type_err("kv_scales", format!("expected dtype float32, found {}", s.d().dt.name())));
+    }
+    let d = s.rank(6, "[num_blocks, kv_dim, num_layers, page_size, num_kv_heads, head_size / granularity]")?;
+    let cd = shape.dims();
+    let groups = d[5];
+    if d[..5] != cd[..5] || groups == 0 || !cd[5].is_multiple_of(groups) {
+        return Err(value_err(
+            "kv_scales",
+            format!(
+                "expected [{}, {}, {}, {}, {}, head_size / granularity] (kv_blocks' first five dimensions, a \
+                 granularity dividing head_size {}), found {}",
+                cd[0],
+                cd[1],
+                cd[2],
+                cd[3],
+                cd[4],
+                cd[5],
+                shape_str(d)
+            ),
+        ));
+    }
+    Ok((s, cd[5] / groups))
 }
 
 /// The cache descriptions that cross into the call.
@@ -159,11 +211,21 @@ struct CacheD<'a> {
     shape: CacheShape,
     cols: usize,
     layer: usize,
+    scales: Option<(&'a Desc, usize)>,
 }
 
 impl<'a> CacheD<'a> {
     fn of(c: &'a CacheIn<'_>) -> Self {
-        CacheD { kv: c.kv.d(), lens: c.lens.d(), lookup: c.lookup.d(), shape: c.shape, cols: c.cols, layer: c.layer }
+        let scales = c.scales.as_ref().map(|(s, g)| (s.d(), *g));
+        CacheD {
+            kv: c.kv.d(),
+            lens: c.lens.d(),
+            lookup: c.lookup.d(),
+            shape: c.shape,
+            cols: c.cols,
+            layer: c.layer,
+            scales,
+        }
     }
 }
 
@@ -177,7 +239,11 @@ fn with_kv<C: Pod + paged_qkv::Element, R>(
     let (lens, lookup) = (indices(&lens)?, indices(&lookup)?);
     let view = PagedKvCacheMut::new(c.shape, kv.slice_mut::<C>()).map_err(fail)?;
     let table = PageTable::new(&lookup, c.cols, &lens).map_err(fail)?;
+    let mut sm = c.scales.map(|(d, _)| h.write(d));
     let mut kv = KvWrite::new(view, table, c.layer);
+    if let (Some(m), Some((_, g))) = (&mut sm, c.scales) {
+        kv = kv.with_scales(KvScalesMut::new(c.shape, g, m.slice_mut::<f32>()).map_err(fail)?);
+    }
     f(&mut kv)
 }
 
@@ -493,7 +559,7 @@ packed_of!(f16, F16);
 
 /// MAX's `fused_qkv_matmul_kv_cache_paged_ragged[_bias]` (see the Python docstring).
 #[pyfunction]
-#[pyo3(signature = (hidden_state, input_row_offsets, weight, kv_blocks, cache_lengths, kv_lookup_table, layer_idx, *, bias=None, q_dim=None, output_dtype=None, rope=None, mode="exact", threads=None, out=None, repeat=1))]
+#[pyo3(signature = (hidden_state, input_row_offsets, weight, kv_blocks, cache_lengths, kv_lookup_table, layer_idx, *, bias=None, q_dim=None, output_dtype=None, rope=None, mode="exact", threads=None, out=None, repeat=1, kv_scales=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn qkv_ragged<'py>(
     py: Python<'py>,
@@ -512,9 +578,10 @@ pub fn qkv_ragged<'py>(
     threads: Option<usize>,
     out: Option<&Bound<'py, PyAny>>,
     repeat: usize,
+    kv_scales: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let mode = mode_of(mode)?;
-    let c = CacheIn::new(kv_blocks, cache_lengths, kv_lookup_table, layer_idx)?;
+    let c = CacheIn::new(kv_blocks, cache_lengths, kv_lookup_table, layer_idx, kv_scales)?;
     let x = Arg::new(hidden_state, "hidden_state", false)?;
     let xt = float_of(&x, false)?;
     let (m, k) = {
@@ -610,7 +677,7 @@ fn plain_ragged<T: PackedOf, O: Pod + paged_qkv::Element, C: Pod + paged_qkv::El
 
 /// MAX's `fused_qkv_matmul_kv_cache_bshd_paged` (see the Python docstring).
 #[pyfunction]
-#[pyo3(signature = (hidden_state, weight, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx, *, q_dim=None, output_dtype=None, rope=None, mode="exact", threads=None, out=None, repeat=1))]
+#[pyo3(signature = (hidden_state, weight, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx, *, q_dim=None, output_dtype=None, rope=None, mode="exact", threads=None, out=None, repeat=1, kv_scales=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn qkv_bshd<'py>(
     py: Python<'py>,
@@ -628,9 +695,10 @@ pub fn qkv_bshd<'py>(
     threads: Option<usize>,
     out: Option<&Bound<'py, PyAny>>,
     repeat: usize,
+    kv_scales: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let mode = mode_of(mode)?;
-    let c = CacheIn::new(kv_blocks, cache_lengths, kv_lookup_table, layer_idx)?;
+    let c = CacheIn::new(kv_blocks, cache_lengths, kv_lookup_table, layer_idx, kv_scales)?;
     let x = Arg::new(hidden_state, "hidden_state", false)?;
     let xt = float_of(&x, false)?;
     let (b, s, k) = {
@@ -718,7 +786,7 @@ enum BlockW<'py> {
 
 /// MAX's `fused_qkv_matmul_kv_cache_paged_ragged_scale_float4` (see the Python docstring).
 #[pyfunction]
-#[pyo3(signature = (hidden_state, input_scale, input_row_offsets, weight, weight_scale, kv_blocks, cache_lengths, kv_lookup_table, layer_idx, tensor_sf, *, format=None, q_dim=None, output_dtype=None, rope=None, mode="exact", threads=None, out=None, repeat=1))]
+#[pyo3(signature = (hidden_state, input_scale, input_row_offsets, weight, weight_scale, kv_blocks, cache_lengths, kv_lookup_table, layer_idx, tensor_sf, *, format=None, q_dim=None, output_dtype=None, rope=None, mode="exact", threads=None, out=None, repeat=1, kv_scales=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn qkv_fp4_ragged<'py>(
     py: Python<'py>,
@@ -740,9 +808,10 @@ pub fn qkv_fp4_ragged<'py>(
     threads: Option<usize>,
     out: Option<&Bound<'py, PyAny>>,
     repeat: usize,
+    kv_scales: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let mode = mode_of(mode)?;
-    let c = CacheIn::new(kv_blocks, cache_lengths, kv_lookup_table, layer_idx)?;
+    let c = CacheIn::new(kv_blocks, cache_lengths, kv_lookup_table, layer_idx, kv_scales)?;
     let weight_scale = weight_scale.filter(|s| !s.is_none());
     let (w, format) = if let Ok(p) = weight.cast::<PackedWeight>() {
         let Packed::Block(pw) = &p.get().inner else {
@@ -870,7 +939,7 @@ enum Fp8W<'py> {
 
 /// MAX's `_fused_qkv_ragged_matmul_scaled_float8` (see the Python docstring).
 #[pyfunction]
-#[pyo3(signature = (hidden_state, input_scale, input_row_offsets, weight, weight_scale, kv_blocks, cache_lengths, kv_lookup_table, layer_idx, *, bias=None, q_dim=None, output_dtype=None, rope=None, mode="exact", threads=None, out=None, repeat=1))]
+#[pyo3(signature = (hidden_state, input_scale, input_row_offsets, weight, weight_scale, kv_blocks, cache_lengths, kv_lookup_table, layer_idx, *, bias=None, q_dim=None, output_dtype=None, rope=None, mode="exact", threads=None, out=None, repeat=1, kv_scales=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn qkv_fp8_ragged<'py>(
     py: Python<'py>,
@@ -891,9 +960,10 @@ pub fn qkv_fp8_ragged<'py>(
     threads: Option<usize>,
     out: Option<&Bound<'py, PyAny>>,
     repeat: usize,
+    kv_scales: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let mode = mode_of(mode)?;
-    let c = CacheIn::new(kv_blocks, cache_lengths, kv_lookup_table, layer_idx)?;
+    let c = CacheIn::new(kv_blocks, cache_lengths, kv_lookup_table, layer_idx, kv_scales)?;
     let x = Arg::new(hidden_state, "hidden_state", false)?;
     bytes_of(&x, "E4M3 codes")?;
     let (m, k) = {
@@ -1038,7 +1108,7 @@ fn fp8_ragged<B: Pod + paged_qkv::Element, O: Pod + paged_qkv::Element, C: Pod +
 /// MAX's `fused_qk_rope_bshd_paged` (see the Python docstring). `out` holds the result; its
 /// padded rows keep their contents.
 #[pyfunction]
-#[pyo3(signature = (q_proj, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx, *, interleaved=true, rope_math="max", mode="exact", threads=None, out=None, repeat=1))]
+#[pyo3(signature = (q_proj, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx, *, interleaved=true, rope_math="max", mode="exact", threads=None, out=None, repeat=1, kv_scales=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn rope_bshd<'py>(
     py: Python<'py>,
@@ -1055,10 +1125,11 @@ pub fn rope_bshd<'py>(
     threads: Option<usize>,
     out: Option<&Bound<'py, PyAny>>,
     repeat: usize,
+    kv_scales: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let mode = mode_of(mode)?;
     let math = rope_math_of(rope_math, "rope_math")?;
-    let c = CacheIn::new(kv_blocks, cache_lengths, kv_lookup_table, layer_idx)?;
+    let c = CacheIn::new(kv_blocks, cache_lengths, kv_lookup_table, layer_idx, kv_scales)?;
     let q = Arg::new(q_proj, "q_proj", false)?;
     let qt = float_of(&q, false)?;
     let qs = q.rank(4, "[batch, seq_len, heads, head_size] (q_proj)")?.to_vec();
@@ -1115,7 +1186,7 @@ pub fn rope_bshd<'py>(
 
 /// MAX's `fused_qk_rope_ragged` (see the Python docstring).
 #[pyfunction]
-#[pyo3(signature = (q_proj, input_row_offsets, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, layer_idx, *, interleaved=true, position_ids=None, rope_math="max", mode="exact", threads=None, out=None, repeat=1))]
+#[pyo3(signature = (q_proj, input_row_offsets, freqs_cis, kv_blocks, cache_lengths, kv_lookup_table, layer_idx, *, interleaved=true, position_ids=None, rope_math="max", mode="exact", threads=None, out=None, repeat=1, kv_scales=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn rope_ragged<'py>(
     py: Python<'py>,
@@ -1133,10 +1204,11 @@ pub fn rope_ragged<'py>(
     threads: Option<usize>,
     out: Option<&Bound<'py, PyAny>>,
     repeat: usize,
+    kv_scales: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let mode = mode_of(mode)?;
     let math = rope_math_of(rope_math, "rope_math")?;
-    let c = CacheIn::new(kv_blocks, cache_lengths, kv_lookup_table, layer_idx)?;
+    let c = CacheIn::new(kv_blocks, cache_lengths, kv_lookup_table, layer_idx, kv_scales)?;
     let q = Arg::new(q_proj, "q_proj", false)?;
     let qt = float_of(&q, false)?;
     let qs = q.rank(3, "[M, heads, q_head_size] (q_proj)")?.to_vec();
@@ -1191,7 +1263,7 @@ fn which_of(cache: &str) -> PyResult<KvSel> {
 
 /// MAX's `kv_cache_store_ragged` (see the Python docstring).
 #[pyfunction]
-#[pyo3(signature = (values, input_row_offsets, kv_blocks, cache_lengths, kv_lookup_table, layer_idx, *, cache="k", mode="exact", threads=None, repeat=1))]
+#[pyo3(signature = (values, input_row_offsets, kv_blocks, cache_lengths, kv_lookup_table, layer_idx, *, cache="k", mode="exact", threads=None, repeat=1, kv_scales=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn kv_store_ragged<'py>(
     py: Python<'py>,
@@ -1205,15 +1277,16 @@ pub fn kv_store_ragged<'py>(
     mode: &str,
     threads: Option<usize>,
     repeat: usize,
+    kv_scales: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<()> {
-    let c = CacheIn::new(kv_blocks, cache_lengths, kv_lookup_table, layer_idx)?;
+    let c = CacheIn::new(kv_blocks, cache_lengths, kv_lookup_table, layer_idx, kv_scales)?;
     let rows = Arg::new(input_row_offsets, "input_row_offsets", false)?;
     kv_store(py, values, rows, c, cache, mode, threads, repeat)
 }
 
 /// MAX's `kv_cache_store_padded` (see the Python docstring).
 #[pyfunction]
-#[pyo3(signature = (values, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx, *, cache="k", mode="exact", threads=None, repeat=1))]
+#[pyo3(signature = (values, kv_blocks, cache_lengths, kv_lookup_table, valid_lengths, layer_idx, *, cache="k", mode="exact", threads=None, repeat=1, kv_scales=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn kv_store_bshd<'py>(
     py: Python<'py>,
@@ -1227,8 +1300,9 @@ pub fn kv_store_bshd<'py>(
     mode: &str,
     threads: Option<usize>,
     repeat: usize,
+    kv_scales: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<()> {
-    let c = CacheIn::new(kv_blocks, cache_lengths, kv_lookup_table, layer_idx)?;
+    let c = CacheIn::new(kv_blocks, cache_lengths, kv_lookup_table, layer_idx, kv_scales)?;
     let rows = Arg::new(valid_lengths, "valid_lengths", false)?;
     kv_store(py, values, rows, c, cache, mode, threads, repeat)
 }

@@ -2,8 +2,10 @@
 //! num_kv_heads, head_size]`, owned or borrowed, and the page table MAX passes with it.
 
 pub(crate) mod plan;
+pub(crate) mod quant;
 
-pub(crate) use plan::{SeqCursor, SeqSlots, SlotPlan};
+pub(crate) use plan::{RowSlot, SeqCursor, SeqSlots, SlotPlan};
+pub use quant::{KvScales, KvScalesMut};
 
 use crate::element::Element;
 use crate::error::{Error, Result, checked_len};
@@ -322,8 +324,9 @@ impl<'a> PageTable<'a> {
 }
 
 /// A cache to write, the page table that addresses it and the layer: the cache side of every
-/// operation.
+/// operation. With [`scales`](Self::scales) the cache is FP8-quantized ([`KvScalesMut`]).
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct KvWrite<'a, T> {
     /// The cache.
     pub cache: PagedKvCacheMut<'a, T>,
@@ -331,12 +334,40 @@ pub struct KvWrite<'a, T> {
     pub page_table: PageTable<'a>,
     /// The layer written (`layer_idx`).
     pub layer_idx: usize,
+    /// The scales of a quantized (E4M3) cache, or `None`: every operation then quantizes each
+    /// group of K/V it writes ([semantics §3.1](crate::semantics)).
+    pub scales: Option<KvScalesMut<'a>>,
 }
 
 impl<'a, T: Element> KvWrite<'a, T> {
-    /// Bundles the three.
+    /// Bundles the three (an unquantized cache: an E4M3 cache without scales stores each value
+    /// rounded to E4M3, scale 1).
     pub fn new(cache: PagedKvCacheMut<'a, T>, page_table: PageTable<'a>, layer_idx: usize) -> Self {
-        KvWrite { cache, page_table, layer_idx }
+        KvWrite { cache, page_table, layer_idx, scales: None }
+    }
+    /// The same write into an FP8-quantized cache: `T` must be [`E4M3`](crate::E4M3) and the
+    /// scales made for this cache's shape (each operation checks both before it writes).
+    ///
+    /// # Examples
+    /// ```
+    /// use paged_qkv::{CacheShape, E4M3, Exec, KvScales, KvSel, KvStoreRaggedArgs, KvWrite, PageTable, PagedKvCache, bf16, fast};
+    ///
+    /// # fn main() -> paged_qkv::Result<()> {
+    /// let shape = CacheShape::mha(2, 1, 4, 1, 128)?; // one KV head of 128
+    /// let mut codes = PagedKvCache::<E4M3>::zeros(shape);
+    /// let mut scales = KvScales::zeros(shape, 128)?; // one scale per head
+    /// let k: Vec<bf16> = (0..128).map(|i| bf16::from_f32(i as f32 - 64.0)).collect(); // one token
+    /// let table = PageTable::new(&[1], 1, &[0])?; // its page is block 1
+    /// let mut kv = KvWrite::new(codes.view_mut(), table, 0).with_scales(scales.view_mut());
+    /// fast::kv_store_ragged(&KvStoreRaggedArgs::new(&k, &[0, 1], KvSel::K), &mut kv, Exec::default())?;
+    /// let scale = scales.get(1, 0, 0, 0, 0, 0);
+    /// assert_eq!(scale, 64.0 / 448.0); // amax / 448
+    /// assert!((codes.get(1, 0, 0, 0, 0, 0).to_f32() * scale + 64.0).abs() < 1e-4); // -64 → code -448
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn with_scales(self, scales: KvScalesMut<'a>) -> Self {
+        KvWrite { scales: Some(scales), ..self }
     }
 }
 

@@ -51,12 +51,14 @@
 //! The server's path (pack once, call per step) is the `serve_decode` example
 //! (`cargo run --release --example serve_decode`); each entry point below has a short one.
 
+use crate::cache::quant::Stage;
 use crate::cache::{KvSel, KvWrite, SlotPlan};
 use crate::element::Element;
 use crate::error::{Error, Result, weight_rows};
 use crate::formats::QuantizedRef;
 use crate::kernels::epilogue::{Dest, EpiRope, EpiSpec, MatrixDest, QkvDest};
 use crate::kernels::fp8::{Fp8Operands, prepare_acts};
+use crate::kernels::kvquant::{QuantCache, dequantize_k, quantize_rows};
 use crate::kernels::operands::{Fp4Operands, PlainOperands};
 use crate::kernels::pack::{Fp4Acts, PlainActs};
 use crate::kernels::rope::{Bases, Planned, RopeSpec, RowSlots, Seqs, rope_rows, slot_bases, store_rows};
@@ -397,6 +399,11 @@ fn fp4_into_cache<O: Element, C: Element>(
     token: IsaToken,
     plan: &Plan,
 ) {
+    if kv.scales.is_some() {
+        return staged::<O, C, _>(kv, plan, false, exec, token, |kv, plan| {
+            fp4_into_cache(args, output, kv, exec, token, plan)
+        });
+    }
     let m = args.hidden_state.rows();
     if m == 0 {
         return;
@@ -537,6 +544,11 @@ fn fp8_into_cache<B: Element, O: Element, C: Element>(
     token: IsaToken,
     plan: &Plan,
 ) -> Result<()> {
+    if kv.scales.is_some() {
+        return staged::<O, C, _>(kv, plan, false, exec, token, |kv, plan| {
+            fp8_into_cache(args, output, kv, exec, token, plan)
+        });
+    }
     let (n, k) = (args.weight.rows(), args.weight.k());
     let m = args.hidden_state.len() / k;
     if m == 0 {
@@ -739,6 +751,12 @@ fn plain_into_cache<T: Element, O: Element, C: Element>(
     token: IsaToken,
     plan: &Plan,
 ) {
+    if kv.scales.is_some() {
+        let parts = (bias, q_dim, rope);
+        return staged::<O, C, _>(kv, plan, false, exec, token, |kv, plan| {
+            plain_into_cache(x, w, parts, output, kv, exec, token, plan)
+        });
+    }
     let m = plan.0.rows.len();
     if m == 0 {
         return;
@@ -841,10 +859,8 @@ pub fn rope_bshd<T: Element, C: Element>(
             rope_rows(token, team, &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
             return Ok(());
         }
-        let (plan, positions) = validate_rope_bshd(args, output.len(), kv)?;
-        let bases = slot_bases(&plan, &shape, kv.layer_idx, 0);
-        let slots = Planned { bases: &bases, positions: &positions };
-        rope_rows(token, team, &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
+        let plan = validate_rope_bshd(args, output.len(), kv)?;
+        rope_planned(token, exec, &spec, args.q_proj, output, kv, &plan);
         Ok(())
     })
 }
@@ -898,10 +914,8 @@ pub fn rope_ragged<T: Element, C: Element>(
             rope_rows(token, team, &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
             return Ok(());
         }
-        let (plan, positions) = validate_rope_ragged(args, output.len(), kv)?;
-        let bases = slot_bases(&plan, &shape, kv.layer_idx, 0);
-        let slots = Planned { bases: &bases, positions: &positions };
-        rope_rows(token, team, &spec, args.q_proj, output, kv.cache.data_mut(), &slots);
+        let plan = validate_rope_ragged(args, output.len(), kv)?;
+        rope_planned(token, exec, &spec, args.q_proj, output, kv, &plan);
         Ok(())
     })
 }
@@ -921,8 +935,7 @@ pub fn kv_store_ragged<T: Element, C: Element>(
         return Ok(());
     }
     let plan = validate_kv_store_ragged(args, kv)?;
-    let bases = slot_bases(&plan, &kv.cache.shape(), kv.layer_idx, 0);
-    store(token, exec, args.values, args.which, kv, &Bases(&bases));
+    store_planned(token, exec, args.values, args.which, kv, &plan);
     Ok(())
 }
 
@@ -940,9 +953,90 @@ pub fn kv_store_bshd<T: Element, C: Element>(
         return Ok(());
     }
     let plan = validate_kv_store_bshd(args, kv)?;
-    let bases = slot_bases(&plan, &kv.cache.shape(), kv.layer_idx, 0);
-    store(token, exec, args.values, args.which, kv, &Bases(&bases));
+    store_planned(token, exec, args.values, args.which, kv, &plan);
     Ok(())
+}
+
+/// A validated store from its plan: into the slots, or quantized into them.
+fn store_planned<T: Element, C: Element>(
+    token: IsaToken,
+    exec: Exec,
+    values: &[T],
+    which: KvSel,
+    kv: &mut KvWrite<'_, C>,
+    plan: &SlotPlan,
+) {
+    let shape = kv.cache.shape();
+    if let Some(scales) = &mut kv.scales {
+        let rows: Vec<_> = plan.rows.iter().enumerate().filter_map(|(r, s)| s.map(|s| (r, s))).collect();
+        let g = scales.granularity();
+        let dst = QuantCache {
+            data: kv.cache.data_mut(),
+            scales: scales.data_mut(),
+            shape,
+            layer: kv.layer_idx,
+            granularity: g,
+        };
+        quantize_rows(token, exec.team(), values, shape.kv_width(), &rows, &[(which, 0)], dst);
+        return;
+    }
+    let bases = slot_bases(plan, &shape, kv.layer_idx, 0);
+    store(token, exec, values, which, kv, &Bases(&bases));
+}
+
+/// A validated RoPE from its plan (directly, or through a staging cache for a quantized one).
+fn rope_planned<T: Element, F: Element, C: Element>(
+    token: IsaToken,
+    exec: Exec,
+    spec: &RopeSpec<'_, F>,
+    q_proj: &[T],
+    output: &mut [T],
+    kv: &mut KvWrite<'_, C>,
+    plan: &Plan,
+) {
+    if kv.scales.is_some() {
+        return staged::<T, C, _>(kv, plan, true, exec, token, |kv, plan| {
+            rope_planned(token, exec, spec, q_proj, output, kv, plan)
+        });
+    }
+    let bases = slot_bases(&plan.0, &kv.cache.shape(), kv.layer_idx, 0);
+    let slots = Planned { bases: &bases, positions: &plan.1 };
+    rope_rows(token, exec.team(), spec, q_proj, output, kv.cache.data_mut(), &slots);
+}
+
+/// A write into a quantized cache (the oracle's `staged`, [semantics §3.1](crate::semantics)):
+/// `write` runs the usual kernels into a staging cache of `S` (one slot per written row; for a
+/// RoPE, `rope`, holding their K dequantized first), then the staged rows are quantized into
+/// their slots: K and V, or K alone after a RoPE.
+fn staged<S: Element, C: Element, R>(
+    kv: &mut KvWrite<'_, C>,
+    plan: &Plan,
+    rope: bool,
+    exec: Exec,
+    token: IsaToken,
+    write: impl FnOnce(&mut KvWrite<'_, S>, &Plan) -> R,
+) -> R {
+    let shape = kv.cache.shape();
+    let team = exec.team();
+    // Cannot fail: the staged rows are distinct slots of the cache, so the staging cache is no
+    // larger than the cache.
+    let mut st = Stage::<S>::new(&plan.0, shape).expect("a staging cache no larger than the cache");
+    let Some(scales) = &mut kv.scales else { unreachable!("staged writes are quantized") };
+    let g = scales.granularity();
+    let stride = st.cache.shape().kv_dim() * shape.kv_width();
+    if rope {
+        let c = (kv.cache.data(), scales.data());
+        dequantize_k(token, team, c, (shape, kv.layer_idx, g), &st.rows, st.cache.data_mut(), stride);
+    }
+    let splan = (st.plan.clone(), plan.1.clone());
+    let r = write(&mut st.kv(kv.page_table), &splan);
+    let v = shape.kv_width();
+    let parts: &[(KvSel, usize)] =
+        if rope || shape.is_mla() { &[(KvSel::K, 0)] } else { &[(KvSel::K, 0), (KvSel::V, v)] };
+    let dst =
+        QuantCache { data: kv.cache.data_mut(), scales: scales.data_mut(), shape, layer: kv.layer_idx, granularity: g };
+    quantize_rows(token, team, st.cache.data(), stride, &st.rows, parts, dst);
+    r
 }
 
 fn store<T: Element, C: Element>(

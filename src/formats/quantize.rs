@@ -151,7 +151,7 @@ pub fn dequantize(q: QuantizedRef<'_>, tensor_scale: f32) -> Vec<f32> {
 /// The scale `amax / 448` and the reciprocal the elements are multiplied by, as MAX's
 /// `compute_dynamic_fp8_scale` forms them (`fp8_quantization.mojo`, without its `scale_ub` cap):
 /// the reciprocal is 0 where the scale is 0 or its reciprocal is not finite.
-fn fp8_scale(amax: f32) -> (f32, f32) {
+pub(crate) fn fp8_scale(amax: f32) -> (f32, f32) {
     let s = amax / E4M3_MAX;
     let r = if s == 0.0 { 0.0 } else { 1.0 / s };
     (s, if r.is_finite() { r } else { 0.0 })

@@ -23,6 +23,7 @@
 
 pub(crate) mod epilogue;
 pub(crate) mod fp8;
+pub(crate) mod kvquant;
 pub(crate) mod operands;
 pub(crate) mod pack;
 pub(crate) mod rope;

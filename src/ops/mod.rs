@@ -756,6 +756,7 @@ pub(crate) fn validate_rope_bshd<T: Element, C: Element>(
     output_len: usize,
     kv: &KvWrite<'_, C>,
 ) -> Result<(SlotPlan, Positions)> {
+    crate::cache::quant::check(kv)?;
     check_rope_bshd(args, output_len, kv)?;
     let writes = padded_rows(args.valid_lengths, args.seq_len);
     let plan = SlotPlan::build(&kv.page_table, &kv.cache.shape(), kv.layer_idx, &writes)?;
@@ -772,6 +773,9 @@ pub(crate) fn rope_bshd_slots<'a, T: Element, C: Element>(
     output_len: usize,
     kv: &KvWrite<'a, C>,
 ) -> Option<SeqSlots<'a>> {
+    if kv.scales.is_some() {
+        return None; // a quantized write always runs from the full plan
+    }
     check_rope_bshd(args, output_len, kv).ok()?;
     SeqSlots::padded(kv.page_table, &kv.cache.shape(), kv.layer_idx, args.seq_len, args.valid_lengths)
 }
@@ -812,6 +816,7 @@ pub(crate) fn validate_rope_ragged<T: Element, C: Element>(
     output_len: usize,
     kv: &KvWrite<'_, C>,
 ) -> Result<(SlotPlan, Positions)> {
+    crate::cache::quant::check(kv)?;
     let freq_rows = check_rope_ragged(args, output_len, kv)?;
     let m = args.input_row_offsets.last().map_or(0, |&x| x as usize);
     let rows = ragged_rows(args.input_row_offsets, m)?;
@@ -855,6 +860,9 @@ pub(crate) fn rope_ragged_slots<'a, T: Element, C: Element>(
     output_len: usize,
     kv: &KvWrite<'a, C>,
 ) -> Option<SeqSlots<'a>> {
+    if kv.scales.is_some() {
+        return None; // a quantized write always runs from the full plan
+    }
     let freq_rows = check_rope_ragged(args, output_len, kv).ok()? as u64;
     let offsets = args.input_row_offsets;
     match args.position_ids {
@@ -966,6 +974,7 @@ pub(crate) fn validate_kv_store<C: Element>(
     batch: usize,
     kv: &KvWrite<'_, C>,
 ) -> Result<SlotPlan> {
+    crate::cache::quant::check(kv)?;
     let shape = kv.cache.shape();
     if which == KvSel::V && shape.is_mla() {
         return Err(Error::Unsupported { what: "storing V into an MLA (K-only) cache".into() });
@@ -995,6 +1004,9 @@ pub(crate) fn kv_store_ragged_slots<'a, T: Element, C: Element>(
     args: &KvStoreRaggedArgs<'a, T>,
     kv: &KvWrite<'a, C>,
 ) -> Option<SeqSlots<'a>> {
+    if kv.scales.is_some() {
+        return None; // a quantized write always runs from the full plan
+    }
     let shape = kv.cache.shape();
     let offsets = args.input_row_offsets;
     let m = offsets.last().map_or(0, |&x| x as usize);
@@ -1012,6 +1024,9 @@ pub(crate) fn kv_store_bshd_slots<'a, T: Element, C: Element>(
     args: &KvStoreBshdArgs<'a, T>,
     kv: &KvWrite<'a, C>,
 ) -> Option<SeqSlots<'a>> {
+    if kv.scales.is_some() {
+        return None; // a quantized write always runs from the full plan
+    }
     let shape = kv.cache.shape();
     let (batch, s) = (args.batch, args.seq_len);
     if args.which == KvSel::V && shape.is_mla() {
@@ -1133,12 +1148,14 @@ pub(crate) fn validate_qkv_ragged<C: Element>(
     output_len: usize,
     kv: &KvWrite<'_, C>,
 ) -> Result<(SlotPlan, Positions)> {
+    crate::cache::quant::check(kv)?;
     let m = input_row_offsets.last().map_or(0, |&x| x as usize);
     check_tensor("hidden_state", hidden_len, &[m, k])?;
     let rows = ragged_rows(input_row_offsets, m)?;
     let shape = kv.cache.shape();
     check_table_batch(&kv.page_table, input_row_offsets.len() - 1)?;
     check_split(n, q_dim, &shape)?;
+    crate::cache::quant::check_columns(kv, n - q_dim)?;
     if let Some(len) = bias_len {
         check_tensor("bias", len, &[n])?;
     }
@@ -1164,6 +1181,7 @@ pub(crate) fn validate_qkv_bshd<C: Element>(
     output_len: usize,
     kv: &KvWrite<'_, C>,
 ) -> Result<(SlotPlan, Positions)> {
+    crate::cache::quant::check(kv)?;
     let shape = kv.cache.shape();
     if shape.is_mla() {
         return Err(Error::Unsupported { what: "the BSHD fused QKV needs a K and V cache (MLA has no V)".into() });
@@ -1172,6 +1190,7 @@ pub(crate) fn validate_qkv_bshd<C: Element>(
     check_valid_lengths(valid_lengths, batch, seq_len)?;
     check_table_batch(&kv.page_table, batch)?;
     check_split(n, q_dim, &shape)?;
+    crate::cache::quant::check_columns(kv, n - q_dim)?;
     check_tensor("output", output_len, &[batch, seq_len, q_dim])?;
     let writes = padded_rows(valid_lengths, seq_len);
     let plan = SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)?;
@@ -1204,6 +1223,7 @@ pub(crate) fn validate_fp4<C: Element>(
     output_len: usize,
     kv: &KvWrite<'_, C>,
 ) -> Result<(SlotPlan, Positions)> {
+    crate::cache::quant::check(kv)?;
     let (w_format, n, w_k) = weight;
     if a.format() != w_format || a.k() != w_k {
         return Err(Error::FormatMismatch {
@@ -1221,6 +1241,7 @@ pub(crate) fn validate_fp4<C: Element>(
     let shape = kv.cache.shape();
     check_table_batch(&kv.page_table, input_row_offsets.len() - 1)?;
     check_split(n, q_dim, &shape)?;
+    crate::cache::quant::check_columns(kv, n - q_dim)?;
     check_tensor("output", output_len, &[m, q_dim])?;
     let writes: Pooled<_> = rows.iter().map(|&(b, t)| (b, t, true)).collect();
     let plan = SlotPlan::build(&kv.page_table, &shape, kv.layer_idx, &writes)?;
@@ -1245,6 +1266,7 @@ pub(crate) fn validate_fp8<O: Element, C: Element>(
     output_len: usize,
     kv: &KvWrite<'_, C>,
 ) -> Result<(SlotPlan, Positions)> {
+    crate::cache::quant::check(kv)?;
     if O::DTYPE == crate::DType::F8E4M3 {
         return Err(Error::Unsupported {
             what: "an FP8 output for the FP8 W8A8 QKV (its scaling is computed in the output dtype: bf16, f16 or f32)"

@@ -7,7 +7,8 @@
 //! the cache dtype (FP8 saturates), as [semantics §9](crate::semantics) says — except that a bias
 //! is added as MAX adds it, after the product's rounding (§4).
 
-use crate::cache::{KvSel, KvWrite, PagedKvCacheMut, SlotPlan};
+use crate::cache::quant::{Stage, group_scale};
+use crate::cache::{KvSel, KvWrite, PagedKvCacheMut, RowSlot, SlotPlan};
 use crate::element::{DType, Element, biased_exact};
 use crate::error::{Result, weight_rows};
 use crate::exact::{ExactSum, f32_parts};
@@ -47,21 +48,23 @@ pub fn qkv_fp4_ragged<O: Element, C: Element>(
     )?;
 
     let tsf = args.tensor_sf;
-    match mode {
-        Accumulation::Sequential => route(w.rows(), args.q_dim, output, kv, &plan, None, |r, vals, _| {
-            let (av, sa) = decode_row(a, r);
-            for (j, v) in vals.iter_mut().enumerate() {
-                *v = fp4_sequential(&av, &sa, w, j, tsf);
-            }
-        }),
-        Accumulation::Exact => route(w.rows(), args.q_dim, output, kv, &plan, None, |r, vals, _| {
-            let ar = exact_row(a, r);
-            for (j, v) in vals.iter_mut().enumerate() {
-                *v = fp4_exact(&ar, &exact_row(w, j), a, tsf);
-            }
-        }),
-    }
-    fused_rope(args.rope.as_ref(), &positions, args.q_dim, output, kv, &plan);
+    writes!(kv, &plan, O, false, |kv, plan| {
+        match mode {
+            Accumulation::Sequential => route(w.rows(), args.q_dim, output, kv, plan, None, |r, vals, _| {
+                let (av, sa) = decode_row(a, r);
+                for (j, v) in vals.iter_mut().enumerate() {
+                    *v = fp4_sequential(&av, &sa, w, j, tsf);
+                }
+            }),
+            Accumulation::Exact => route(w.rows(), args.q_dim, output, kv, plan, None, |r, vals, _| {
+                let ar = exact_row(a, r);
+                for (j, v) in vals.iter_mut().enumerate() {
+                    *v = fp4_exact(&ar, &exact_row(w, j), a, tsf);
+                }
+            }),
+        }
+        fused_rope(args.rope.as_ref(), &positions, args.q_dim, output, kv, plan);
+    });
     Ok(())
 }
 
@@ -90,11 +93,13 @@ pub fn qkv_ragged<T: Element, O: Element, C: Element>(
     )?;
     let bias = args.bias.map(|b| move |j: usize| b[j].to_f32());
     let bias_fn = bias.as_ref().map(|f| f as &dyn Fn(usize) -> f32);
-    route(n, args.q_dim, output, kv, &plan, bias_fn, |r, vals, with_bias| {
-        let b = if with_bias { args.bias } else { None };
-        plain_row(&args.hidden_state[r * k..(r + 1) * k], args.weight, b, k, mode, vals)
+    writes!(kv, &plan, O, false, |kv, plan| {
+        route(n, args.q_dim, output, kv, plan, bias_fn, |r, vals, with_bias| {
+            let b = if with_bias { args.bias } else { None };
+            plain_row(&args.hidden_state[r * k..(r + 1) * k], args.weight, b, k, mode, vals)
+        });
+        fused_rope(args.rope.as_ref(), &positions, args.q_dim, output, kv, plan);
     });
-    fused_rope(args.rope.as_ref(), &positions, args.q_dim, output, kv, &plan);
     Ok(())
 }
 
@@ -123,12 +128,14 @@ pub fn qkv_fp8_ragged<B: Element, O: Element, C: Element>(
     let (n, (plan, positions)) = validate_fp8_args::<B, O, C>(args, output.len(), kv)?;
     let k = args.hidden_size;
     let m = args.hidden_state.len() / k;
-    route(n, args.q_dim, output, kv, &plan, None, |r, vals, _| {
-        for (j, v) in vals.iter_mut().enumerate() {
-            *v = fp8_value::<B, O>(args, (r, j), (m, k), mode) as f64;
-        }
+    writes!(kv, &plan, O, false, |kv, plan| {
+        route(n, args.q_dim, output, kv, plan, None, |r, vals, _| {
+            for (j, v) in vals.iter_mut().enumerate() {
+                *v = fp8_value::<B, O>(args, (r, j), (m, k), mode) as f64;
+            }
+        });
+        fused_rope(args.rope.as_ref(), &positions, args.q_dim, output, kv, plan);
     });
-    fused_rope(args.rope.as_ref(), &positions, args.q_dim, output, kv, &plan);
     Ok(())
 }
 
@@ -220,10 +227,12 @@ pub fn qkv_bshd<T: Element, O: Element, C: Element>(
         output.len(),
         kv,
     )?;
-    route(n, args.q_dim, output, kv, &plan, None, |r, vals, _| {
-        plain_row(&args.hidden_state[r * k..(r + 1) * k], args.weight, None, k, mode, vals)
+    writes!(kv, &plan, O, false, |kv, plan| {
+        route(n, args.q_dim, output, kv, plan, None, |r, vals, _| {
+            plain_row(&args.hidden_state[r * k..(r + 1) * k], args.weight, None, k, mode, vals)
+        });
+        fused_rope(args.rope.as_ref(), &positions, args.q_dim, output, kv, plan);
     });
-    fused_rope(args.rope.as_ref(), &positions, args.q_dim, output, kv, &plan);
     Ok(())
 }
 
@@ -244,16 +253,18 @@ pub fn rope_bshd<T: Element, C: Element>(
     let d = kv.cache.shape().head_size();
     let hq = args.num_q_heads;
     let pairs = rope_pairs(d, d, args.interleaved);
-    with_freqs!(args.freqs_cis, freqs => {
-        for (r, slot) in plan.rows.iter().enumerate() {
-            let (Some(slot), Some(p)) = (slot, positions[r]) else { continue };
-            let f = &freqs[p * d..][..d];
-            for h in 0..hq {
-                let base = (r * hq + h) * d;
-                rotate(&args.q_proj[base..base + d], &mut output[base..base + d], f, &pairs, math);
+    writes!(kv, &plan, T, true, |kv, plan| {
+        with_freqs!(args.freqs_cis, freqs => {
+            for (r, slot) in plan.rows.iter().enumerate() {
+                let (Some(slot), Some(p)) = (slot, positions[r]) else { continue };
+                let f = &freqs[p * d..][..d];
+                for h in 0..hq {
+                    let base = (r * hq + h) * d;
+                    rotate(&args.q_proj[base..base + d], &mut output[base..base + d], f, &pairs, math);
+                }
+                rotate_k(&mut kv.cache, kv.layer_idx, slot.block, slot.offset, f, &pairs, math);
             }
-            rotate_k(&mut kv.cache, kv.layer_idx, slot.block, slot.offset, f, &pairs, math);
-        }
+        });
     });
     Ok(())
 }
@@ -275,17 +286,19 @@ pub fn rope_ragged<T: Element, C: Element>(
     let (hq, dq, dk, rd) = (args.num_q_heads, args.q_head_size, kv.cache.shape().head_size(), args.rope_dim);
     let q_pairs = rope_pairs(dq, rd, args.interleaved);
     let k_pairs = rope_pairs(dk, rd, args.interleaved);
-    with_freqs!(args.freqs_cis, freqs => {
-        for (r, slot) in plan.rows.iter().enumerate() {
-            let (Some(slot), Some(p)) = (slot, positions[r]) else { continue };
-            let f = &freqs[p * rd..][..rd];
-            for h in 0..hq {
-                let base = (r * hq + h) * dq;
-                output[base..base + dq].copy_from_slice(&args.q_proj[base..base + dq]);
-                rotate(&args.q_proj[base..base + dq], &mut output[base..base + dq], f, &q_pairs, math);
+    writes!(kv, &plan, T, true, |kv, plan| {
+        with_freqs!(args.freqs_cis, freqs => {
+            for (r, slot) in plan.rows.iter().enumerate() {
+                let (Some(slot), Some(p)) = (slot, positions[r]) else { continue };
+                let f = &freqs[p * rd..][..rd];
+                for h in 0..hq {
+                    let base = (r * hq + h) * dq;
+                    output[base..base + dq].copy_from_slice(&args.q_proj[base..base + dq]);
+                    rotate(&args.q_proj[base..base + dq], &mut output[base..base + dq], f, &q_pairs, math);
+                }
+                rotate_k(&mut kv.cache, kv.layer_idx, slot.block, slot.offset, f, &k_pairs, math);
             }
-            rotate_k(&mut kv.cache, kv.layer_idx, slot.block, slot.offset, f, &k_pairs, math);
-        }
+        });
     });
     Ok(())
 }
@@ -427,6 +440,80 @@ fn plain_row<T: Element>(x: &[T], w: &[T], bias: Option<&[T]>, k: usize, mode: A
     }
 }
 
+/// Runs `$body` with `$k` the write (`&mut KvWrite`) and `$p` the slot plan: directly into the
+/// cache, or, for a quantized cache, into a staging cache of `$s` whose rows are then quantized
+/// into their slots ([`staged`]; `$rope`: the body rotates the K already in the cache).
+macro_rules! writes {
+    ($kv:ident, $plan:expr, $s:ty, $rope:expr, |$k:ident, $p:ident| $body:block) => {{
+        if $kv.scales.is_some() {
+            staged::<$s, _>($kv, $plan, $rope, |$k, $p| $body)?;
+        } else {
+            let ($k, $p) = (&mut *$kv, $plan);
+            $body
+        }
+    }};
+}
+use writes;
+
+/// A write into a quantized cache ([semantics §3.1](crate::semantics)): `write` stores the rows
+/// of `plan` into a staging cache of `S` (for a RoPE, `rope`, holding their K dequantized first:
+/// `S(code · scale)`), then every staged group is quantized into its slot ([`quantize_part`]):
+/// K and V, or K alone after a RoPE.
+fn staged<S: Element, C: Element>(
+    kv: &mut KvWrite<'_, C>,
+    plan: &SlotPlan,
+    rope: bool,
+    write: impl FnOnce(&mut KvWrite<'_, S>, &SlotPlan),
+) -> Result<()> {
+    let shape = kv.cache.shape();
+    let mut st = Stage::<S>::new(plan, shape)?;
+    let Some(scales) = &kv.scales else { unreachable!("staged writes are quantized") };
+    let g = scales.granularity();
+    if rope {
+        let sshape = st.cache.shape();
+        for (i, &(_, slot)) in st.rows.iter().enumerate() {
+            let at = shape.index(slot.block, 0, kv.layer_idx, slot.offset, 0, 0);
+            let to = sshape.index(i, 0, 0, 0, 0, 0);
+            for j in 0..shape.kv_width() {
+                let x = kv.cache.data()[at + j].to_f32() * scales.data()[(at + j) / g];
+                st.cache.data_mut()[to + j] = S::from_f32(x);
+            }
+        }
+    }
+    let splan = st.plan.clone();
+    write(&mut st.kv(kv.page_table), &splan);
+    let parts: &[KvSel] = if rope || shape.is_mla() { &[KvSel::K] } else { &[KvSel::K, KvSel::V] };
+    for (i, &(_, slot)) in st.rows.iter().enumerate() {
+        for &p in parts {
+            quantize_part(kv, slot, p, st.part(i, p));
+        }
+    }
+    Ok(())
+}
+
+/// Quantizes one token's K or V (`vals`: `num_kv_heads · head_size` values) into its slot: per
+/// group of `granularity` elements of a head, `scale = amax / 448` (`amax` the largest magnitude,
+/// NaN ignored), each element `E4M3(x · (1 / scale))` (0 for a zero scale), as MAX's FP8 KV
+/// writer stores them; the scale at the group's place in the scales tensor.
+fn quantize_part<S: Element, C: Element>(kv: &mut KvWrite<'_, C>, slot: RowSlot, which: KvSel, vals: &[S]) {
+    let shape = kv.cache.shape();
+    let Some(scales) = &mut kv.scales else { unreachable!("quantized writes have scales") };
+    let g = scales.granularity();
+    let at = shape.index(slot.block, which as usize, kv.layer_idx, slot.offset, 0, 0);
+    let data = kv.cache.data_mut();
+    for (q, x) in vals.chunks(g).enumerate() {
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.to_f32().abs()));
+        let (scale, inv) = group_scale(amax);
+        let base = at + q * g;
+        for (j, v) in x.iter().enumerate() {
+            data[base + j] = C::from_f32(v.to_f32() * inv);
+        }
+        // The group's scale: the scales tensor is the cache with its last dimension divided by
+        // `g`, and `g` divides the head size.
+        scales.data_mut()[base / g] = scale;
+    }
+}
+
 /// A product's value for a destination of type D: rounded once, or with a bias through MAX's
 /// bias step ([`biased_exact`]); `with_bias` is the product plus the bias in one value (the E4M3
 /// cache's rule).
@@ -479,6 +566,13 @@ fn route<O: Element, C: Element>(
 fn store_rows<T: Element, C: Element>(values: &[T], which: KvSel, kv: &mut KvWrite<'_, C>, plan: &SlotPlan) {
     let shape = kv.cache.shape();
     let width = shape.kv_width();
+    if kv.scales.is_some() {
+        for (r, slot) in plan.rows.iter().enumerate() {
+            let Some(slot) = slot else { continue };
+            quantize_part(kv, *slot, which, &values[r * width..(r + 1) * width]);
+        }
+        return;
+    }
     let data = kv.cache.data_mut();
     for (r, slot) in plan.rows.iter().enumerate() {
         let Some(slot) = slot else { continue };

@@ -282,6 +282,24 @@ pub(crate) fn quantize_row(
     quant::quantize_row_body(format, row, g, data, scales)
 }
 
+/// Quantizes a cache part's groups ([`quant::kv_groups_body`]) compiled for `token`'s ISA: the
+/// same codes and scales on every ISA (the body's operations are exact or IEEE-rounded per lane).
+pub(crate) fn kv_groups(token: IsaToken, x: &[f32], g: usize, codes: &mut [crate::dtype::E4M3], scales: &mut [f32]) {
+    assert!(g > 0 && x.len() == codes.len() && x.len() == scales.len() * g);
+    #[cfg(target_arch = "x86_64")]
+    match token.0 {
+        Isa::Avx512 | Isa::Avx512Bf16 => {
+            // SAFETY: the token proves AVX-512 F and BW (and AVX2, FMA) were detected.
+            return unsafe { x86::quant::kv_groups_avx512(x, g, codes, scales) };
+        }
+        // SAFETY: the token proves AVX2 and FMA were detected.
+        Isa::Avx2 => return unsafe { x86::quant::kv_groups_avx2(x, g, codes, scales) },
+        _ => {}
+    }
+    let _ = token;
+    quant::kv_groups_body(x, g, codes, scales)
+}
+
 /// Prepares one block-scaled activation row ([`fp4::prepare_row_body`]) compiled for `token`'s
 /// ISA, as [`quantize_row`]: the same values on every ISA (tested).
 pub(crate) fn prepare_row(

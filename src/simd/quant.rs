@@ -3,7 +3,7 @@
 //! that the compiler vectorises at each width. Its formulas are those of `formats::quantize`'s
 //! module docs, tested there against the element-wise encoders.
 
-use crate::dtype::{BlockFormat, E2M1_MAX, E4M3_MAX};
+use crate::dtype::{BlockFormat, E2M1_MAX, E4M3, E4M3_MAX};
 
 /// Most blocks of a row quantized in one batch of [`quantize_row_body`]'s passes.
 const BATCH: usize = 64;
@@ -140,4 +140,20 @@ pub(crate) fn e4m3_fast(x: f32) -> u8 {
     let mag = if b < (1.0f32 / 64.0).to_bits() { sub } else { normal };
     let mag = if b >= E4M3_MAX.to_bits() { 0x7E } else { mag };
     (if b > 0x7F80_0000 { 0x7F } else { ((bits >> 24) & 0x80) | mag }) as u8
+}
+
+/// A quantized cache's groups ([semantics §3.1](crate::semantics)): for each `g`-element group of
+/// `x`, `amax` (the `>` fold: NaN ignored, as `f32::max`), the scale and factor of
+/// [`fp8_scale`](crate::formats::quantize::fp8_scale), and the codes through [`e4m3_fast`] (the
+/// codes of `E4M3::from_f32` for every f32). Compiled once per ISA ([`crate::simd::kv_groups`]).
+#[inline(always)]
+pub(crate) fn kv_groups_body(x: &[f32], g: usize, codes: &mut [E4M3], scales: &mut [f32]) {
+    for ((group, out), s) in x.chunks(g).zip(codes.chunks_mut(g)).zip(scales.iter_mut()) {
+        let amax = group.iter().fold(0.0f32, |m, e| if e.abs() > m { e.abs() } else { m });
+        let (scale, inv) = crate::formats::quantize::fp8_scale(amax);
+        for (o, &e) in out.iter_mut().zip(group) {
+            *o = E4M3(e4m3_fast(e * inv));
+        }
+        *s = scale;
+    }
 }

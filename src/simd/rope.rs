@@ -264,7 +264,7 @@ pub(crate) fn same_type<A: 'static, B: 'static>(s: &[A]) -> Option<&[B]> {
 }
 
 /// [`same_type`] for a mutable slice.
-fn same_type_mut<A: 'static, B: 'static>(s: &mut [A]) -> Option<&mut [B]> {
+pub(crate) fn same_type_mut<A: 'static, B: 'static>(s: &mut [A]) -> Option<&mut [B]> {
     // SAFETY: as in `same_type`; the returned borrow takes over `s`'s.
     (TypeId::of::<A>() == TypeId::of::<B>())
         .then(|| unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), s.len()) })

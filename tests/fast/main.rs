@@ -8,6 +8,7 @@ mod edges;
 #[path = "../oracle/fp4_setup.rs"]
 mod fp4_setup;
 mod fp8;
+mod kvquant;
 mod plain;
 mod rope;
 

@@ -1,0 +1,124 @@
+"""FP8-quantized caches from Python (``kv_scales=``): every op, every mode, against a judge written
+here from docs/semantics.md §3.1 (the same call into a bf16 cache holding the quantized cache
+dequantized, then every written group quantized: scale = amax / 448, codes E4M3(x / scale)); bad
+scales raise an error naming ``kv_scales`` and write nothing."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import paged_qkv as pq
+from test_direct import OPS, args_of, bits, make
+
+E4M3 = ml_dtypes.float8_e4m3fn
+BF16 = ml_dtypes.bfloat16
+
+
+def start(shape, g, seed):
+    """A quantized cache's start: random finite E4M3 codes and positive scales."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 0x7F, size=shape, dtype=np.uint8) | (rng.integers(0, 2, size=shape, dtype=np.uint8) << 7)
+    scales = (rng.random(shape[:5] + (shape[5] // g,)) * 0.01 + 1e-4).astype(np.float32)
+    return codes, scales
+
+
+def dequantized(codes, scales, dtype):
+    g = codes.shape[5] // scales.shape[5]
+    x = codes.view(E4M3).astype(np.float32) * np.repeat(scales, g, axis=5)
+    return x.astype(BF16).view(dtype) if dtype == np.uint16 else x.astype(dtype)
+
+
+def quantize(x):
+    """One group, from the semantics: (codes, scale)."""
+    amax = np.float32(np.max(np.abs(x))) if x.size else np.float32(0)
+    scale = np.float32(amax / np.float32(448))
+    with np.errstate(divide="ignore", over="ignore"):
+        inv = np.float32(0) if scale == 0 or not np.isfinite(np.float32(1) / scale) else np.float32(1) / scale
+    return (x * inv).astype(np.float32).astype(E4M3).view(np.uint8), scale
+
+
+def written(kw, page):
+    """(block, slot) of every token the call writes."""
+    cl, lut = kw["cache_lengths"], kw["kv_lookup_table"]
+    if "input_row_offsets" in kw:
+        o = kw["input_row_offsets"]
+        per = [(b, t) for b in range(len(o) - 1) for t in range(int(o[b + 1] - o[b]))]
+    else:
+        v = kw["valid_lengths"]
+        per = [(b, t) for b in range(len(v)) for t in range(int(v[b]))]
+    return [(int(lut[b, (cl[b] + t) // page]), int((cl[b] + t) % page)) for b, t in per]
+
+
+def parts(op, kw, kv_dim):
+    if op.startswith("rope"):
+        return [0]
+    if op.startswith("kv_store"):
+        return [0 if kw["cache"] == "k" else 1]
+    return list(range(kv_dim))
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("mode", ["exact", "sequential", "fast"])
+def test_quantized_cache_every_op(op, mode):
+    case = make(op, "block" if op == "qkv_fp8_ragged" else "nvfp4", model="tiny", batch=3, seed=11)
+    fn, kw = args_of(case)
+    plain_dtype = kw["kv_blocks"].dtype
+    shape = kw["kv_blocks"].shape
+    g = shape[5] // 2 if shape[5] % 4 == 0 else shape[5]
+    codes0, scales0 = start(shape, g, 3)
+    plain = dequantized(codes0, scales0, plain_dtype)
+    kw.pop("kv_blocks")
+    out_plain = fn(mode=mode, kv_blocks=plain, **kw)
+    codes, scales = codes0.copy(), scales0.copy()
+    out_q = fn(mode=mode, kv_blocks=codes, kv_scales=scales, **kw)
+    if out_plain is not None:
+        assert bits(out_q) == bits(out_plain)
+    # The judge: the start, with every written group quantized from the plain call's cache.
+    want_codes, want_scales = codes0.copy(), scales0.copy()
+    pf = plain.view(BF16).astype(np.float32) if plain_dtype == np.uint16 else plain.astype(np.float32)
+    layer = kw["layer_idx"]
+    for block, slot in written(kw, shape[3]):
+        for p in parts(op, kw, shape[1]):
+            for h in range(shape[4]):
+                for q in range(shape[5] // g):
+                    c, s = quantize(pf[block, p, layer, slot, h, q * g:(q + 1) * g])
+                    want_codes[block, p, layer, slot, h, q * g:(q + 1) * g] = c
+                    want_scales[block, p, layer, slot, h, q] = s
+    assert scales.tobytes() == want_scales.tobytes()
+    assert codes.tobytes() == want_codes.tobytes()
+
+
+def test_bad_scales_are_errors_that_write_nothing():
+    case = make("kv_store_ragged", "nvfp4", model="tiny", batch=2, seed=2)
+    fn, kw = args_of(case)
+    shape = kw["kv_blocks"].shape
+    codes, scales = start(shape, shape[5] // 2, 4)
+    kw.pop("kv_blocks")
+    # Scales on a bf16 cache.
+    plain = dequantized(codes, scales, np.float32)
+    before = plain.copy()
+    with pytest.raises(TypeError, match="kv_scales"):
+        fn(kv_blocks=plain, kv_scales=scales, **kw)
+    assert plain.tobytes() == before.tobytes()
+    # Wrong shape, wrong dtype, a granularity that does not divide the head.
+    c0, s0 = codes.copy(), scales.copy()
+    with pytest.raises(ValueError, match="kv_scales"):
+        fn(kv_blocks=codes, kv_scales=scales[:-1], **kw)
+    with pytest.raises(TypeError, match="kv_scales"):
+        fn(kv_blocks=codes, kv_scales=scales.astype(np.float16), **kw)
+    odd = np.zeros(shape[:5] + (3,), np.float32) if shape[5] % 3 else np.zeros(shape[:5] + (shape[5] + 1,), np.float32)
+    with pytest.raises(ValueError, match="kv_scales"):
+        fn(kv_blocks=codes, kv_scales=odd, **kw)
+    assert codes.tobytes() == c0.tobytes() and scales.tobytes() == s0.tobytes()
+
+
+def test_check_op_refuses_a_quantized_cache_and_writes_nothing():
+    case = make("kv_store_ragged", "nvfp4", model="tiny", batch=2, seed=2)
+    _, kw = args_of(case)
+    shape = kw["kv_blocks"].shape
+    codes, scales = start(shape, shape[5] // 2, 4)
+    c0, s0 = codes.copy(), scales.copy()
+    inputs = dict(kw, kv_blocks=codes, kv_scales=scales)
+    with pytest.raises(ValueError, match="kv_scales"):
+        pq.check_op("kv_store_ragged", inputs, {"kv_blocks": codes})
+    assert codes.tobytes() == c0.tobytes() and scales.tobytes() == s0.tobytes()
