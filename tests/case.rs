@@ -113,3 +113,81 @@ fn huge_q_dim_is_rejected() {
     }
     assert_eq!(o.dtype, Dtype::BF16);
 }
+
+/// `c` with its cache quantized: E4M3 codes (from the cache's values) and `kv_scales` of
+/// granularity `g` (positive, varied).
+fn quantized(c: &Case, g: usize) -> Case {
+    let kv = &c.tensors["kv_blocks"];
+    let vals = case::decode::<paged_qkv::bf16>(&kv.data); // the made cases' caches are bf16
+    let codes: Vec<paged_qkv::E4M3> = vals.iter().map(|v| paged_qkv::E4M3::from_f32(v.to_f32() * 64.0)).collect();
+    let mut shape = kv.shape.clone();
+    shape[5] /= g;
+    let scales: Vec<f32> = (0..shape.iter().product::<usize>()).map(|i| 1.0 / 64.0 + (i % 5) as f32 * 1e-3).collect();
+    let c = with(c, "kv_blocks", Tensor::from_elements(kv.shape.clone(), &codes));
+    with(&c, "kv_scales", Tensor::from_elements(shape, &scales))
+}
+
+/// A case with a quantized cache: `run_all` updates `kv_scales` as the library call does, `run`
+/// still gives the output and codes, `check` passes the oracle's own results and fails a changed
+/// scale (named), a changed scale of an unwritten group (corruption) or missing scales; bad
+/// `kv_scales` shapes and dtypes are one-line errors naming the tensor.
+#[test]
+fn quantized_cache_cases_run_and_check() {
+    for op in [Op::QkvRagged, Op::RopeRagged, Op::KvStoreBshd] {
+        let c = quantized(&tiny(op), 2);
+        let all = c.run_all(Mode::Exact, Exec::default()).unwrap();
+        assert!(all.contains_key("kv_scales") && all.contains_key("kv_blocks"), "{op:?}");
+        assert_ne!(all["kv_scales"].data, c.tensors["kv_scales"].data, "{op:?}: no scale written");
+        let (o, kv) = c.run(Mode::Exact, Exec::default()).unwrap();
+        assert_eq!(kv.data, all["kv_blocks"].data);
+        assert_eq!(o.map(|t| t.data), all.get("output").map(|t| t.data.clone()));
+        // The fast path gives the oracle's bits for these (RoPE and stores are exact; the QKV's
+        // tiny sums are compared with the report below).
+        let tol = case::Tolerance { atol: 0.0, rtol: 0.0, ulps: 0 };
+        let r = case::check(&c, &all, tol, Mode::Exact).unwrap();
+        assert!(r.passed, "{op:?}: {}", r.text);
+        assert!(r.text.contains("kv_scales:"), "{}", r.text);
+        // A written scale off by a little: named as the scale of a cache element.
+        let mut bad = all.clone();
+        let want: Vec<f32> = case::decode(&all["kv_scales"].data);
+        let i = (0..want.len()).find(|&i| want[i] != case::decode::<f32>(&c.tensors["kv_scales"].data)[i]).unwrap();
+        let mut sc = want.clone();
+        sc[i] *= 1.5;
+        bad.insert("kv_scales".into(), Tensor::from_elements(all["kv_scales"].shape.clone(), &sc));
+        let r = case::check(&c, &bad, tol, Mode::Exact).unwrap();
+        assert!(!r.passed && r.text.contains("the scale of"), "{}", r.text);
+        // An unwritten group's scale changed: corruption.
+        let input: Vec<f32> = case::decode(&c.tensors["kv_scales"].data);
+        let j = (0..want.len()).rev().find(|&j| want[j] == input[j]).unwrap();
+        let mut sc = want.clone();
+        sc[j] += 1.0;
+        bad.insert("kv_scales".into(), Tensor::from_elements(all["kv_scales"].shape.clone(), &sc));
+        let r = case::check(&c, &bad, tol, Mode::Exact).unwrap();
+        assert!(!r.passed && r.text.contains("CORRUPTION"), "{}", r.text);
+        // Missing scales in the actual results.
+        let mut missing = all.clone();
+        missing.remove("kv_scales");
+        let e = case::check(&c, &missing, tol, Mode::Exact).unwrap_err();
+        assert!(e.0.contains("kv_scales"), "{e}");
+    }
+    // Bad scales: wrong rank, wrong first dimensions, a granularity not dividing the head, F16.
+    let c = quantized(&tiny(Op::KvStoreRagged), 2);
+    let s = c.tensors["kv_scales"].clone();
+    let n: usize = s.shape.iter().product();
+    let mut first = s.shape.clone();
+    first[0] += 1;
+    let mut odd = s.shape.clone();
+    odd[5] = c.tensors["kv_blocks"].shape[5] + 1;
+    for t in [
+        Tensor::from_elements(vec![n], &vec![0f32; n]),
+        Tensor::from_elements(first.clone(), &vec![0f32; first.iter().product()]),
+        Tensor::from_elements(odd.clone(), &vec![0f32; odd.iter().product()]),
+        Tensor::from_elements(s.shape.clone(), &vec![paged_qkv::f16::ZERO; n]),
+    ] {
+        let e = with(&c, "kv_scales", t).run_all(Mode::Exact, Exec::default()).unwrap_err();
+        assert!(e.0.contains("kv_scales"), "{e}");
+    }
+    // Scales with a bf16 cache: the library's error, naming kv_scales.
+    let e = with(&tiny(Op::KvStoreRagged), "kv_scales", s).run_all(Mode::Fast, Exec::default()).unwrap_err();
+    assert!(e.0.contains("kv_scales"), "{e}");
+}

@@ -163,7 +163,8 @@ class Case:
         return _native.case_to_bytes(self.op, self.meta, self._wire())
 
     def run(self, mode: str = "exact", threads: Optional[int] = None) -> Dict[str, np.ndarray]:
-        """Runs the case: ``{"output": …, "kv_blocks": …}`` (no ``output`` for the KV stores)."""
+        """Runs the case: ``{"output": …, "kv_blocks": …}`` (no ``output`` for the KV stores;
+        ``kv_scales`` too for a quantized cache)."""
         _check_mode(mode)
         out = _native.run_case(self.op, self.meta, self._wire(), mode, threads)
         return {name: _from_wire(d, s, b) for (name, d, s, b) in out}

@@ -76,7 +76,8 @@ fn format(f: &str) -> PyResult<BlockFormat> {
     BlockFormat::from_name(f).ok_or_else(|| err(format!("format: expected nvfp4, mxfp4 or mxfp8, found `{f}`")))
 }
 
-/// Runs a case: `[(name, dtype, shape, bytes)]` for `output` (if the op has one) and `kv_blocks`.
+/// Runs a case: `[(name, dtype, shape, bytes)]` for `output` (if the op has one), `kv_blocks` and
+/// (a quantized cache) `kv_scales`.
 #[pyfunction]
 #[pyo3(signature = (op, meta, tensors, mode_name, threads=None))]
 fn run_case<'py>(
@@ -90,13 +91,8 @@ fn run_case<'py>(
     let c = case_in(op, meta, tensors)?;
     let m = mode(mode_name)?;
     let exec = pools::exec(threads)?;
-    let (out, kv) = py.detach(|| c.run(m, exec).map_err(|e| e.to_string())).map_err(err)?;
-    let mut res: Vec<(String, Tensor)> = Vec::new();
-    if let Some(o) = out {
-        res.push(("output".into(), o));
-    }
-    res.push(("kv_blocks".into(), kv));
-    Ok(tensors_out(py, res))
+    let all = py.detach(|| c.run_all(m, exec).map_err(|e| e.to_string())).map_err(err)?;
+    Ok(tensors_out(py, all))
 }
 
 /// `check`: `(passed, report text)` — the report `paged-qkv check` prints.

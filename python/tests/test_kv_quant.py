@@ -122,3 +122,27 @@ def test_check_op_refuses_a_quantized_cache_and_writes_nothing():
     with pytest.raises(ValueError, match="kv_scales"):
         pq.check_op("kv_store_ragged", inputs, {"kv_blocks": codes})
     assert codes.tobytes() == c0.tobytes() and scales.tobytes() == s0.tobytes()
+
+
+@pytest.mark.parametrize("op", ["qkv_ragged", "rope_ragged", "kv_store_bshd"])
+def test_quantized_case_runs_and_checks_as_the_direct_path(op):
+    case = make(op, "nvfp4", model="tiny", batch=3, seed=5)
+    shape = case.tensors["kv_blocks"].shape
+    codes, scales = start(shape, shape[5] // 2, 6)
+    case.tensors["kv_blocks"] = codes.view(E4M3)
+    case.tensors["kv_scales"] = scales
+    case = pq.load_case(case.to_bytes())  # through the file format
+    want = case.run("exact")
+    assert set(want) >= {"kv_blocks", "kv_scales"}
+    fn, kw = args_of(case)
+    kw.pop("kv_blocks")
+    c, s = codes.copy(), scales.copy()
+    out = fn(mode="exact", kv_blocks=c, kv_scales=s, **kw)
+    assert c.tobytes() == np.asarray(want["kv_blocks"]).tobytes()
+    assert s.tobytes() == np.asarray(want["kv_scales"]).tobytes()
+    if out is not None:
+        assert bits(out) == bits(want["output"])
+    pq.check(case, want, ulps=0).assert_ok()
+    bad = dict(want, kv_scales=np.asarray(want["kv_scales"]) * np.float32(1.5))
+    report = pq.check(case, bad, ulps=0)
+    assert not report.passed and "kv_scales" in str(report)

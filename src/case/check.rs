@@ -192,8 +192,20 @@ pub fn check_with(
     opts: CheckOptions,
 ) -> Result<Report> {
     use std::fmt::Write as _;
-    let (ref_out, ref_kv) = case.run(mode, Exec::default())?;
+    let mut refs = case.run_all(mode, Exec::default())?;
+    let (ref_out, ref_kv) = (refs.remove("output"), refs.remove("kv_blocks"));
+    let ref_kv = ref_kv.ok_or_else(|| CaseError("`kv_blocks`: not written".into()))?;
     let (out_mask, kv_mask) = case.written_with(opts)?;
+    // A quantized cache's scales: a group is written where its elements are (the scales tensor is
+    // the cache with its last dimension divided by the granularity).
+    let scales_mask: Vec<bool> = match refs.get("kv_scales") {
+        Some(t) => {
+            let n: usize = t.shape.iter().product();
+            let g = kv_mask.len().checked_div(n).unwrap_or(1);
+            kv_mask.chunks(g.max(1)).map(|c| c.iter().any(|&w| w)).collect()
+        }
+        None => Vec::new(),
+    };
     let mut text = String::new();
     let mut passed = true;
     let mut tensors = Vec::new();
@@ -219,9 +231,19 @@ pub fn check_with(
     }
     let got = actual.get("kv_blocks").ok_or_else(|| missing("kv_blocks"))?;
     pairs.push(("kv_blocks", got, ref_kv, &kv_mask, Some(case.tensor("kv_blocks")?)));
+    let g = kv_mask.len().checked_div(scales_mask.len()).unwrap_or(1);
+    if let Some(rs) = refs.remove("kv_scales") {
+        let got = actual.get("kv_scales").ok_or_else(|| missing("kv_scales"))?;
+        pairs.push(("kv_scales", got, rs, &scales_mask, Some(case.tensor("kv_scales")?)));
+    }
     for (name, got, want, mask, input) in pairs {
         let r = compare(name, got, &want, mask, input, tol)?;
-        let namer = |i: usize| if name == "output" { case.name_output(i) } else { case.name_cache(i) };
+        let namer = |i: usize| match name {
+            "output" => case.name_output(i),
+            // A scale: its group's first element.
+            "kv_scales" => format!("the scale of {}", case.name_cache(i * g)),
+            _ => case.name_cache(i),
+        };
         let _ = writeln!(text, "{name}: {} elements compared ({})", r.compared, got.dtype);
         let at = |(v, i): (f64, usize)| if v > 0.0 { format!("{v:.3e} at {}", namer(i)) } else { "0".into() };
         let _ = writeln!(text, "  max abs error {}", at(r.max_abs));

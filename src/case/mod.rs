@@ -15,6 +15,10 @@
 //!   `kv_lookup_table` (U32 `[batch, cols]`), `valid_lengths` (U32), `q_proj`, `freqs_cis`,
 //!   `position_ids` (U32), `output` (the pre-allocated output; its shape gives q_dim; rows the op
 //!   does not write keep their contents).
+//! * A quantized cache (semantics §3.1): `kv_blocks` of F8_E4M3 (or U8) codes and `kv_scales`, F32
+//!   `[num_blocks, kv_dim, num_layers, page_size, num_kv_heads, head_size / g]` (the granularity
+//!   `g` from its last dimension); both are written by the op, returned by `run` and compared by
+//!   `check`.
 //! * Dtypes: packed FP4 as U8 `[rows, K/2]` or F4 `[rows, K]`; E4M3 as F8_E4M3 or U8; E8M0 as
 //!   F8_E8M0 or U8; BF16, F16, F32 (and F8_E4M3 for `kv_blocks`); U32 for indices.
 //!
@@ -24,7 +28,7 @@
 //! The code: the types here; reading a file in `read`, running it in `run`, checking a kernel's
 //! results in `check`, making cases in `make`.
 
-use crate::cache::{CacheShape, KvSel, KvWrite, PageTable, PagedKvCacheMut, SlotPlan};
+use crate::cache::{CacheShape, KvScalesMut, KvSel, KvWrite, PageTable, PagedKvCacheMut, SlotPlan};
 use crate::element::{DType, Element};
 use crate::fast::{self, Exec, Par};
 use crate::formats::fp8::E4M3;

@@ -119,6 +119,32 @@ impl Case {
         }
     }
 
+    /// A quantized cache's `kv_scales` (F32 `[num_blocks, kv_dim, num_layers, page_size,
+    /// num_kv_heads, head_size / g]`, `kv_blocks`' first five dimensions) and its granularity `g`,
+    /// or None when the case has none.
+    pub(super) fn kv_scales(&self, shape: &CacheShape) -> Result<Option<(Vec<f32>, usize)>> {
+        let Some(t) = self.tensors.get("kv_scales") else { return Ok(None) };
+        if t.dtype != Dtype::F32 {
+            return err(format!("`kv_scales`: expected dtype F32, found {}", t.dtype));
+        }
+        let cd = shape.dims();
+        let groups = t.shape.get(5).copied().unwrap_or(0);
+        if t.shape.len() != 6 || t.shape[..5] != cd[..5] || groups == 0 || !cd[5].is_multiple_of(groups) {
+            return err(format!(
+                "`kv_scales`: expected shape [{}, {}, {}, {}, {}, head_size / granularity] (kv_blocks' first five \
+                 dimensions, a granularity dividing head_size {}), found {}",
+                cd[0],
+                cd[1],
+                cd[2],
+                cd[3],
+                cd[4],
+                cd[5],
+                dims(&t.shape)
+            ));
+        }
+        Ok(Some((decode::<f32>(&t.data), cd[5] / groups)))
+    }
+
     pub(super) fn cache_shape(&self) -> Result<(CacheShape, DType)> {
         let (d, shape) = self.float_info("kv_blocks", Some(6))?;
         let s = CacheShape::from_dims(shape).map_err(|e| CaseError(e.to_string()))?;

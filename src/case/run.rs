@@ -13,9 +13,20 @@ enum OwnedFreqs {
 }
 
 impl Case {
-    /// Runs the case; returns the new `output` (None for the KV stores) and `kv_blocks`.
+    /// Runs the case; returns the new `output` (None for the KV stores) and `kv_blocks`. A case
+    /// with `kv_scales` (a quantized cache) updates them too: [`run_all`](Self::run_all) returns
+    /// every tensor the op writes.
     pub fn run(&self, mode: Mode, exec: Exec) -> Result<(Option<Tensor>, Tensor)> {
+        let mut all = self.run_all(mode, exec)?;
+        let kv = all.remove("kv_blocks").ok_or_else(|| CaseError("`kv_blocks`: not written".into()))?;
+        Ok((all.remove("output"), kv))
+    }
+
+    /// Runs the case; returns every tensor the op writes by name: `output` (not for the KV
+    /// stores), `kv_blocks`, and `kv_scales` when the case has them.
+    pub fn run_all(&self, mode: Mode, exec: Exec) -> Result<BTreeMap<String, Tensor>> {
         let (shape, cdt) = self.cache_shape()?;
+        let mut scales = self.kv_scales(&shape)?;
         let (lookup, cols, lens) = self.page_table_parts()?;
         let table = PageTable::new(&lookup, cols, &lens)?;
         let layer = self.layer()?;
@@ -35,10 +46,21 @@ impl Case {
                 {
                     let view = PagedKvCacheMut::new(shape, &mut cache)?;
                     let mut kv = KvWrite::new(view, table, layer);
+                    if let Some((s, g)) = scales.as_mut() {
+                        kv = kv.with_scales(KvScalesMut::new(shape, *g, s)?);
+                    }
                     self.dispatch::<$o, $c>(&mut out, &mut kv, mode, exec)?;
                 }
-                let o = out_t.map(|t| Tensor::from_elements(t.shape.clone(), &out));
-                Ok((o, Tensor::from_elements(kv_t.shape.clone(), &cache)))
+                let mut all = BTreeMap::new();
+                if let Some(t) = out_t {
+                    all.insert("output".to_string(), Tensor::from_elements(t.shape.clone(), &out));
+                }
+                all.insert("kv_blocks".to_string(), Tensor::from_elements(kv_t.shape.clone(), &cache));
+                if let Some((s, _)) = &scales {
+                    let t = self.tensor("kv_scales")?;
+                    all.insert("kv_scales".to_string(), Tensor::from_elements(t.shape.clone(), s));
+                }
+                Ok(all)
             }};
         }
         match (odt, cdt) {

@@ -219,7 +219,8 @@ enum DtypeArg {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Run the op of CASE and write OUT with `output` and the updated `kv_blocks`.
+    /// Run the op of CASE and write OUT with `output` and the updated `kv_blocks` (and
+    /// `kv_scales`, for a quantized cache).
     Run {
         /// The case file (safetensors).
         case: PathBuf,
@@ -237,7 +238,8 @@ enum Cmd {
         #[arg(long, value_enum)]
         rope_math: Option<RopeMathArg>,
     },
-    /// Compare a GPU kernel's results (`output`, `kv_blocks`) with the reference. Exit 0: within
+    /// Compare a GPU kernel's results (`output`, `kv_blocks`, and `kv_scales` for a quantized
+    /// cache) with the reference. Exit 0: within
     /// tolerance, 1: not, 2: bad input.
     Check {
         /// The case file (the kernel's inputs).
@@ -429,12 +431,8 @@ fn run(
     rope_math: Option<RopeMathArg>,
 ) -> Result<(), Bad> {
     let c = read_case(case_path, rope_math)?;
-    let (o, kv) = pool(threads)?.install(|| c.run(mode, case::exec(threads)))?;
-    let mut t = BTreeMap::new();
-    if let Some(o) = o {
-        t.insert("output".to_string(), o);
-    }
-    t.insert("kv_blocks".to_string(), kv);
+    // `output` (not for the KV stores), `kv_blocks`, and `kv_scales` for a quantized cache.
+    let t = pool(threads)?.install(|| c.run_all(mode, case::exec(threads)))?;
     let meta = BTreeMap::from([("op".to_string(), c.op.name().to_string())]);
     std::fs::write(out, case::save_tensors(&t, Some(meta))?).map_err(|e| Bad(format!("{}: {e}", out.display())))?;
     eprintln!(
