@@ -13,7 +13,7 @@ use crate::pools;
 use paged_qkv::fast::{self, QkvBshdPackedArgs, QkvFp4PackedArgs, QkvFp8PackedArgs, QkvRaggedPackedArgs};
 use paged_qkv::ops::{Freqs, QkvRope};
 use paged_qkv::{
-    Accumulation, BlockFormat, CacheShape, E4M3, Exec, Fp8Scales, KvScalesMut, KvSel, KvStoreBshdArgs,
+    Accumulation, BlockFormat, CacheShape, E4M3, Exec, Fp8Scales, KvScales, KvScalesMut, KvSel, KvStoreBshdArgs,
     KvStoreRaggedArgs, KvWrite, PageTable, PagedKvCacheMut, QkvBshdArgs, QkvFp4Args, QkvFp8Args, QkvRaggedArgs,
     QuantizedRef, RopeBshdArgs, RopeMath, RopeRaggedArgs, bf16, f16, reference,
 };
@@ -181,25 +181,8 @@ fn quantized_scales<'py>(
         return Err(type_err("kv_scales", format!("expected dtype float32, found {}", s.d().dt.name())));
     }
     let d = s.rank(6, "[num_blocks, kv_dim, num_layers, page_size, num_kv_heads, head_size / granularity]")?;
-    let cd = shape.dims();
-    let groups = d[5];
-    if d[..5] != cd[..5] || groups == 0 || !cd[5].is_multiple_of(groups) {
-        return Err(value_err(
-            "kv_scales",
-            format!(
-                "expected [{}, {}, {}, {}, {}, head_size / granularity] (kv_blocks' first five dimensions, a \
-                 granularity dividing head_size {}), found {}",
-                cd[0],
-                cd[1],
-                cd[2],
-                cd[3],
-                cd[4],
-                cd[5],
-                shape_str(d)
-            ),
-        ));
-    }
-    Ok((s, cd[5] / groups))
+    let g = KvScales::granularity_of(shape, d).map_err(fail)?;
+    Ok((s, g))
 }
 
 /// The cache descriptions that cross into the call.

@@ -60,6 +60,27 @@ impl KvScales {
         expect_len(&shape, granularity, data.len())?;
         Ok(KvScales { shape, granularity, data })
     }
+    /// The granularity of a scales tensor of shape `dims` for a cache of `shape`: `dims` must be
+    /// `[num_blocks, kv_dim, num_layers, page_size, num_kv_heads, groups]` with the cache's first
+    /// five dimensions and `groups` dividing the head size; the granularity is `head_size /
+    /// groups` (at least 2). An error names `kv_scales`.
+    pub fn granularity_of(shape: CacheShape, dims: &[usize]) -> Result<usize> {
+        let cd = shape.dims();
+        let groups = dims.get(5).copied().unwrap_or(0);
+        if dims.len() != 6 || dims[..5] != cd[..5] || groups == 0 || !cd[5].is_multiple_of(groups) {
+            return Err(Error::dim(
+                "kv_scales",
+                format!(
+                    "expected shape [{}, {}, {}, {}, {}, head_size / granularity] (the cache's first five \
+                     dimensions, a granularity dividing head_size {}), found {dims:?}",
+                    cd[0], cd[1], cd[2], cd[3], cd[4], cd[5]
+                ),
+            ));
+        }
+        let g = cd[5] / groups;
+        check_granularity(&shape, g)?;
+        Ok(g)
+    }
     /// The rank-6 shape `[num_blocks, kv_dim, num_layers, page_size, num_kv_heads, head_size /
     /// granularity]`.
     pub fn dims(&self) -> [usize; 6] {

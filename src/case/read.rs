@@ -127,22 +127,8 @@ impl Case {
         if t.dtype != Dtype::F32 {
             return err(format!("`kv_scales`: expected dtype F32, found {}", t.dtype));
         }
-        let cd = shape.dims();
-        let groups = t.shape.get(5).copied().unwrap_or(0);
-        if t.shape.len() != 6 || t.shape[..5] != cd[..5] || groups == 0 || !cd[5].is_multiple_of(groups) {
-            return err(format!(
-                "`kv_scales`: expected shape [{}, {}, {}, {}, {}, head_size / granularity] (kv_blocks' first five \
-                 dimensions, a granularity dividing head_size {}), found {}",
-                cd[0],
-                cd[1],
-                cd[2],
-                cd[3],
-                cd[4],
-                cd[5],
-                dims(&t.shape)
-            ));
-        }
-        Ok(Some((decode::<f32>(&t.data), cd[5] / groups)))
+        let g = crate::cache::KvScales::granularity_of(*shape, &t.shape)?;
+        Ok(Some((decode::<f32>(&t.data), g)))
     }
 
     pub(super) fn cache_shape(&self) -> Result<(CacheShape, DType)> {
