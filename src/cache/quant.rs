@@ -9,7 +9,8 @@
 //! KV writer quantizes it (`amax / 448`, the elements times the reciprocal). The operations run
 //! their usual kernels into a small staging cache of `S` (one page of one slot per written row:
 //! memory proportional to what the call writes), then quantize the staged rows into their slots.
-//! RoPE, which reads the K it rotates from the cache, first dequantizes it into the staging cache.
+//! RoPE, which reads the K it rotates from the cache, first dequantizes it into the staging cache
+//! (the oracle; the fast path does the same steps one row at a time, without staging).
 
 use super::{CacheShape, KvSel, KvWrite, PageTable, PagedKvCache, RowSlot, SlotPlan};
 use crate::element::{DType, Element};

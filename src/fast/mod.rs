@@ -53,15 +53,18 @@
 
 use crate::cache::quant::Stage;
 use crate::cache::{KvSel, KvWrite, SlotPlan};
+use crate::dtype::E4M3;
 use crate::element::Element;
 use crate::error::{Error, Result, weight_rows};
 use crate::formats::QuantizedRef;
 use crate::kernels::epilogue::{Dest, EpiRope, EpiSpec, MatrixDest, QkvDest};
 use crate::kernels::fp8::{Fp8Operands, prepare_acts};
-use crate::kernels::kvquant::{QuantCache, dequantize_k, quantize_rows};
+use crate::kernels::kvquant::{QuantCache, quantize_rows};
 use crate::kernels::operands::{Fp4Operands, PlainOperands};
 use crate::kernels::pack::{Fp4Acts, PlainActs};
-use crate::kernels::rope::{Bases, Planned, RopeSpec, RowSlots, Seqs, rope_rows, slot_bases, store_rows};
+use crate::kernels::rope::{
+    Bases, Planned, RopeSpec, RowSlots, Seqs, rope_rows, rope_rows_quant, slot_bases, store_rows,
+};
 use crate::kernels::schedule::{Panels, run};
 use crate::kernels::team::Team;
 pub use crate::kernels::{PackedFp8Weights, PackedPlainWeights, PackedWeights};
@@ -74,7 +77,7 @@ use crate::ops::{
 };
 pub use crate::simd::Isa;
 use crate::simd::IsaToken;
-use crate::simd::rope::Round;
+use crate::simd::rope::{Round, same_type_mut};
 pub use crate::workers::Workers;
 
 /// Where the work runs.
@@ -400,7 +403,7 @@ fn fp4_into_cache<O: Element, C: Element>(
     plan: &Plan,
 ) {
     if kv.scales.is_some() {
-        return staged::<O, C, _>(kv, plan, false, exec, token, |kv, plan| {
+        return staged::<O, C, _>(kv, plan, exec, token, |kv, plan| {
             fp4_into_cache(args, output, kv, exec, token, plan)
         });
     }
@@ -545,7 +548,7 @@ fn fp8_into_cache<B: Element, O: Element, C: Element>(
     plan: &Plan,
 ) -> Result<()> {
     if kv.scales.is_some() {
-        return staged::<O, C, _>(kv, plan, false, exec, token, |kv, plan| {
+        return staged::<O, C, _>(kv, plan, exec, token, |kv, plan| {
             fp8_into_cache(args, output, kv, exec, token, plan)
         });
     }
@@ -753,7 +756,7 @@ fn plain_into_cache<T: Element, O: Element, C: Element>(
 ) {
     if kv.scales.is_some() {
         let parts = (bias, q_dim, rope);
-        return staged::<O, C, _>(kv, plan, false, exec, token, |kv, plan| {
+        return staged::<O, C, _>(kv, plan, exec, token, |kv, plan| {
             plain_into_cache(x, w, parts, output, kv, exec, token, plan)
         });
     }
@@ -994,48 +997,45 @@ fn rope_planned<T: Element, F: Element, C: Element>(
     kv: &mut KvWrite<'_, C>,
     plan: &Plan,
 ) {
-    if kv.scales.is_some() {
-        return staged::<T, C, _>(kv, plan, true, exec, token, |kv, plan| {
-            rope_planned(token, exec, spec, q_proj, output, kv, plan)
-        });
-    }
     let bases = slot_bases(&plan.0, &kv.cache.shape(), kv.layer_idx, 0);
     let slots = Planned { bases: &bases, positions: &plan.1 };
+    if let Some(scales) = &mut kv.scales {
+        // One pass per row (dequantize, rotate, requantize) rather than `staged`'s passes.
+        let (shape, layer, granularity) = (kv.cache.shape(), kv.layer_idx, scales.granularity());
+        let Some(data) = same_type_mut::<C, E4M3>(kv.cache.data_mut()) else {
+            unreachable!("a quantized cache holds E4M3 codes (checked by the validation)")
+        };
+        let dst = QuantCache { data, scales: scales.data_mut(), shape, layer, granularity };
+        return rope_rows_quant(token, exec.team(), spec, q_proj, output, dst, &slots);
+    }
     rope_rows(token, exec.team(), spec, q_proj, output, kv.cache.data_mut(), &slots);
 }
 
-/// A write into a quantized cache (the oracle's `staged`, [semantics §3.1](crate::semantics)):
-/// `write` runs the usual kernels into a staging cache of `S` (one slot per written row; for a
-/// RoPE, `rope`, holding their K dequantized first), then the staged rows are quantized into
-/// their slots: K and V, or K alone after a RoPE.
+/// A fused QKV's write into a quantized cache (the oracle's `staged`,
+/// [semantics §3.1](crate::semantics)): `write` runs the usual kernels into a staging cache of
+/// `S` (one slot per written row), then the staged rows (K and V; K alone for MLA) are
+/// quantized into their slots. (A RoPE takes one pass per row instead: `rope_rows_quant`.)
 fn staged<S: Element, C: Element, R>(
     kv: &mut KvWrite<'_, C>,
     plan: &Plan,
-    rope: bool,
     exec: Exec,
     token: IsaToken,
     write: impl FnOnce(&mut KvWrite<'_, S>, &Plan) -> R,
 ) -> R {
     let shape = kv.cache.shape();
-    let team = exec.team();
     // Cannot fail: the staged rows are distinct slots of the cache, so the staging cache is no
     // larger than the cache.
     let mut st = Stage::<S>::new(&plan.0, shape).expect("a staging cache no larger than the cache");
     let Some(scales) = &mut kv.scales else { unreachable!("staged writes are quantized") };
     let g = scales.granularity();
     let stride = st.cache.shape().kv_dim() * shape.kv_width();
-    if rope {
-        let c = (kv.cache.data(), scales.data());
-        dequantize_k(token, team, c, (shape, kv.layer_idx, g), &st.rows, st.cache.data_mut(), stride);
-    }
     let splan = (st.plan.clone(), plan.1.clone());
     let r = write(&mut st.kv(kv.page_table), &splan);
     let v = shape.kv_width();
-    let parts: &[(KvSel, usize)] =
-        if rope || shape.is_mla() { &[(KvSel::K, 0)] } else { &[(KvSel::K, 0), (KvSel::V, v)] };
+    let parts: &[(KvSel, usize)] = if shape.is_mla() { &[(KvSel::K, 0)] } else { &[(KvSel::K, 0), (KvSel::V, v)] };
     let dst =
         QuantCache { data: kv.cache.data_mut(), scales: scales.data_mut(), shape, layer: kv.layer_idx, granularity: g };
-    quantize_rows(token, team, st.cache.data(), stride, &st.rows, parts, dst);
+    quantize_rows(token, exec.team(), st.cache.data(), stride, &st.rows, parts, dst);
     r
 }
 

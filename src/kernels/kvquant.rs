@@ -1,11 +1,10 @@
 //! The fast side of quantized caches ([semantics §3.1](crate::semantics)): the quantization of
-//! staged K/V rows into their slots and, before a RoPE, the dequantization of the K it rotates.
+//! staged K/V rows into their slots (a RoPE's one pass per row is `rope::rope_rows_quant`).
 //! Rows run in parallel (each row owns its slot, the slot plan promises it; a decode call's few
 //! rows on the calling thread). Within a row the values are widened by the SIMD conversion and
 //! each group quantized by [`kv_groups`] (compiled per ISA, the branch-free E4M3 encoder: the
 //! scalar encoder made a Qwen2.5-0.5B M = 512 bf16 QKV into an FP8 cache 1.08x the bf16-cache
-//! call, AMD Zen 3); the dequantization reads the 256 code values from a table. The same bits as
-//! the oracle's `quantize_part` and dequantization.
+//! call, AMD Zen 3). The same bits as the oracle's `quantize_part`.
 
 #![allow(unsafe_code)] // writes through `SharedMut`, one slot per row
 
@@ -15,12 +14,8 @@ use crate::cache::quant::group_scale;
 use crate::cache::{CacheShape, KvSel, RowSlot};
 use crate::dtype::E4M3;
 use crate::element::Element;
-use crate::simd::rope::{narrow, same_type, same_type_mut, widen};
+use crate::simd::rope::{narrow, same_type_mut, widen};
 use crate::simd::{IsaToken, kv_groups};
-use std::sync::OnceLock;
-
-/// The value of every E4M3 code (NaN codes included), built on first use.
-static E4M3_VALUES: OnceLock<[f32; 256]> = OnceLock::new();
 
 /// Rows handed to a thread at once.
 const ROWS: usize = 16;
@@ -77,49 +72,6 @@ pub(crate) fn quantize_rows<S: Element, C: Element>(
                     }
                 }
             }
-        }
-    });
-}
-
-/// Dequantizes the K of each slot of `rows` into row `i` of `dst` (rows of `stride` values of `S`,
-/// K first): `S(code · scale)`.
-pub(crate) fn dequantize_k<C: Element, S: Element>(
-    token: IsaToken,
-    team: Team,
-    cache: (&[C], &[f32]),
-    (shape, layer, g): (CacheShape, usize, usize),
-    rows: &[(usize, RowSlot)],
-    dst: &mut [S],
-    stride: usize,
-) {
-    let width = shape.kv_width();
-    if width == 0 || rows.is_empty() {
-        return;
-    }
-    let team = if rows.len() <= ROWS { Team::One } else { team };
-    team.chunks_mut(dst, stride * ROWS, |c, out| {
-        let mut buf = vec![0f32; width];
-        for (i, o) in out.chunks_mut(stride).enumerate() {
-            let (_, slot) = rows[c * ROWS + i];
-            let base = shape.index(slot.block, 0, layer, slot.offset, 0, 0);
-            let codes = &cache.0[base..base + width];
-            let scales = &cache.1[base / g..(base + width) / g];
-            match same_type::<C, E4M3>(codes) {
-                Some(codes) => {
-                    // A table of the 256 values: the decode's branches were most of this pass.
-                    let lut = E4M3_VALUES.get_or_init(|| std::array::from_fn(|c| E4M3(c as u8).to_f32()));
-                    for ((group, c), &s) in buf.chunks_mut(g).zip(codes.chunks(g)).zip(scales) {
-                        group.iter_mut().zip(c).for_each(|(v, c)| *v = lut[c.0 as usize] * s);
-                    }
-                }
-                None => {
-                    widen(token, codes, &mut buf);
-                    for (group, &s) in buf.chunks_mut(g).zip(scales) {
-                        group.iter_mut().for_each(|v| *v *= s);
-                    }
-                }
-            }
-            narrow(token, &buf, &mut o[..width]);
         }
     });
 }

@@ -10,13 +10,15 @@
 //! The rotation itself is `crate::simd::rope`: the oracle's operations lane by lane.
 #![allow(unsafe_code)] // `SharedMut::slice_mut` per row or run, under the slots' disjointness
 
+use super::kvquant::QuantCache;
 use super::scatter::SharedMut;
 use super::team::Team;
 use crate::cache::{CacheShape, SeqCursor, SeqSlots, SlotPlan};
+use crate::dtype::E4M3;
 use crate::element::Element;
 use crate::pool::Pooled;
-use crate::simd::IsaToken;
-use crate::simd::rope::{HalfRows, RopeRow, Round, TokenFn, convert, rotate_heads, rotate_heads_from};
+use crate::simd::rope::{HalfRows, RopeRow, Round, TokenFn, convert, narrow, rotate_heads, rotate_heads_from, widen};
+use crate::simd::{IsaToken, kv_dequant, kv_groups};
 use std::sync::Mutex;
 
 /// The first element of each row's slot in layer `layer`, plus `offset` (the V part, or 0).
@@ -183,6 +185,11 @@ impl RowSlots for Bases<'_> {
 /// A task's reusable f32 buffers (its thread's pool).
 type Bufs = (Pooled<f32>, Pooled<f32>);
 
+/// A share's empty [`Bufs`] (from its thread's pool).
+fn bufs() -> Bufs {
+    (Pooled::new(), Pooled::new())
+}
+
 /// Rows below which a call runs on the calling thread (a decode step's few tokens), and the
 /// fewest rows a share takes (`PAR_ROWS / 2`: a pool of many threads does not cut a small call
 /// into shares of a row or two, whose joins would cost more than their rows).
@@ -208,7 +215,7 @@ const ROPE_SHARE_BYTES: usize = if cfg!(miri) { 0 } else { 128 << 10 };
 const STORE_SHARE_BYTES: usize = if cfg!(miri) { 0 } else { 512 << 10 };
 
 /// Runs `job(row, (slot, freqs row), buffers, output row)` for every row (`output` in rows of
-/// `width`) that `slots` gives a slot. On a team of several threads, with enough rows, the rows
+/// `width`) that `slots` gives a slot, each share's buffers made by `init`. On a team of several threads, with enough rows, the rows
 /// are cut into one contiguous share per thread of the team (each share at
 /// least `PAR_ROWS / 2` rows and `grain` bytes, a row moving `row_bytes`; see
 /// [`ROPE_SHARE_BYTES`]), each holding as many active rows as the others (an inactive row, a padded or unslotted one,
@@ -227,18 +234,19 @@ const STORE_SHARE_BYTES: usize = if cfg!(miri) { 0 } else { 512 << 10 };
 ///
 /// `RUNS`: `job(first row, (slot, freqs row, n), buffers, n output rows)` for runs of `n` rows
 /// ([`RowSlots::run`]) instead of one row at a time (`n` = 1).
-fn for_rows<T: Send, S: RowSlots, const RUNS: bool>(
+fn for_rows<T: Send, S: RowSlots, B, const RUNS: bool>(
     team: Team,
     (row_bytes, grain): (usize, usize),
     output: &mut [T],
     width: usize,
     slots: &S,
-    job: impl Fn(usize, (usize, usize, usize), &mut Bufs, &mut [T]) + Sync,
+    init: impl Fn() -> B + Sync,
+    job: impl Fn(usize, (usize, usize, usize), &mut B, &mut [T]) + Sync,
 ) {
     let rows = output.len() / width;
     let threads = share_count(team, rows, row_bytes, grain);
     let share = |first: usize, out: &mut [T]| {
-        let mut bufs = (Pooled::new(), Pooled::new());
+        let mut bufs = init();
         let mut cursor = slots.cursor(first);
         let rows = out.len() / width;
         let mut i = 0;
@@ -372,7 +380,7 @@ fn slot_rows<T: Send, C: Send, const RUNS: bool>(
 ) {
     // A run's slots must be the contiguous `n · kw` values that `slice_mut` hands out below.
     assert!(!RUNS || slots.stride() == kw, "runs of slots {} apart, {kw} values each", slots.stride());
-    for_rows::<T, _, RUNS>(team, grain, output, qw, slots, |r, (base, p, n), bufs, o| {
+    for_rows::<T, _, _, RUNS>(team, grain, output, qw, slots, bufs, |r, (base, p, n), bufs, o| {
         // SAFETY: every `RowSlots` gives distinct rows disjoint slots (a slot plan checked every
         // slot, or no two written pages share a block; `SeqSlots`), so the ranges
         // `base .. base + kw` of distinct rows are disjoint (a slot holds the row's kw K values);
@@ -437,6 +445,69 @@ pub(crate) fn rope_rows<T: Element, F: Element, C: Element>(
     }
 }
 
+/// One row's rotation: `(row, freqs row, buffers, output row, K row)`.
+type Rotate<'a, T> = dyn Fn(usize, usize, &mut Bufs, &mut [T], &mut [T]) + Sync + 'a;
+
+/// Runs a validated RoPE call into an FP8-quantized cache ([semantics §3.1](crate::semantics)),
+/// one pass per row: the K of the row's slot is dequantized into `T` (`T(code · scale)`, the
+/// values the oracle stages), rotated together with the row's Q heads by the kernels
+/// [`rope_rows`] runs on a cache of `T`, and quantized back into the slot with fresh scales
+/// ([`kv_groups`]). The oracle stages every row in a cache of `T` and runs the three steps as
+/// passes over the call; the same steps row by row give the same bits without the staging
+/// cache, and the K row stays in L1 between them (an earlier version ran the oracle's passes:
+/// measured against it in docs/performance.md).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rope_rows_quant<T: Element, F: Element>(
+    token: IsaToken,
+    team: Team,
+    spec: &RopeSpec<'_, F>,
+    q_proj: &[T],
+    output: &mut [T],
+    dst: QuantCache<'_, E4M3>,
+    slots: &impl RowSlots,
+) {
+    let (hq, dq) = spec.q_heads;
+    let (hk, dk) = spec.k_heads;
+    let (qw, kw) = (hq * dq, hk * dk);
+    let g = dst.granularity;
+    assert!(qw > 0 && output.len() == q_proj.len() && g > 0 && kw.is_multiple_of(g));
+    let (rd, i, r) = (spec.rope_dim, spec.interleaved, spec.round());
+    let grain = (2 * (qw * size_of::<T>() + kw + kw / g * 4) + rd * size_of::<F>(), ROPE_SHARE_BYTES);
+    let (codes, scales) = (SharedMut::new(dst.data), SharedMut::new(dst.scales));
+    // One pass over the rows with `rotate(row, freqs row, buffers, output row, K row)`: the
+    // rotation of `rope_rows`, its path decided once for the call.
+    let mut rows = |rotate: &Rotate<'_, T>| {
+        let init = || (bufs(), Pooled::<f32>::new(), Vec::<T>::new());
+        for_rows::<T, _, _, false>(team, grain, output, qw, slots, init, |r, (base, p, _), b, o| {
+            let (bufs, wide, k) = b;
+            wide.resize(kw, 0.0);
+            k.resize(kw, T::from_f32(0.0));
+            // SAFETY: as in `slot_rows`: distinct rows have disjoint slots (`base .. base + kw`,
+            // the row's K), and so disjoint scales (`base / g ..`, one per `g` values: the
+            // head size is a multiple of `g`); each row is visited once; nothing else touches
+            // the cache or its scales during the call.
+            let (c, s) = unsafe { (codes.slice_mut(base, kw), scales.slice_mut(base / g, kw / g)) };
+            kv_dequant(token, c, g, s, wide);
+            narrow(token, wide, k);
+            rotate(r, p, bufs, o, k);
+            widen(token, k, wide);
+            kv_groups(token, wide, g, c, s);
+        });
+    };
+    if let Some(t) = TokenFn::<T, T, F>::new(token, i, r, rd, spec.q_heads, spec.k_heads) {
+        return rows(&|r, p, _, o, k| {
+            t.run(&spec.freqs[p * rd..(p + 1) * rd], &q_proj[r * qw..(r + 1) * qw], o, k, 1, kw)
+        });
+    }
+    match HalfRows::<T, T>::new(token, i, r, rd, spec.q_heads, spec.k_heads) {
+        Some(h) => rows(&|r, p, bufs, o, k| {
+            bufs.0.resize(h.buf_len(), 0.0);
+            h.row(&spec.freqs[p * rd..(p + 1) * rd], &q_proj[r * qw..(r + 1) * qw], o, k, &mut bufs.0);
+        }),
+        None => rows(&|r, p, bufs, o, k| spec.row(token, p, &q_proj[r * qw..(r + 1) * qw], o, k, bufs)),
+    }
+}
+
 /// Runs a validated KV store: every row with a slot (`slots`) writes its `width` values, from
 /// `offset` past the slot's first element (the V part's distance from the K part, or 0), rounded
 /// once to the cache dtype. Where a run's slots lie `width` apart (consecutive cache positions in
@@ -470,8 +541,8 @@ pub(crate) fn store_rows<T: Element, C: Element>(
     let runs = slots.stride() == width;
     let grain = (width * (size_of::<T>() + size_of::<C>()), STORE_SHARE_BYTES);
     match runs {
-        true => for_rows::<_, _, true>(team, grain, &mut rows, 1, slots, job),
-        false => for_rows::<_, _, false>(team, grain, &mut rows, 1, slots, job),
+        true => for_rows::<_, _, _, true>(team, grain, &mut rows, 1, slots, bufs, job),
+        false => for_rows::<_, _, _, false>(team, grain, &mut rows, 1, slots, bufs, job),
     }
 }
 
@@ -543,12 +614,13 @@ mod tests {
                         // A grain of 16 one-byte rows: 64 and 65 rows make at most four shares.
                         let grain = if p % 2 == 0 { 0 } else { 16 };
                         pool.install(|| {
-                            for_rows::<_, _, RUNS>(
+                            for_rows::<_, _, _, RUNS>(
                                 team,
                                 (1, grain),
                                 &mut out,
                                 3,
                                 &Pattern(p, rows),
+                                || (),
                                 |r, (s, q, n), _, o| {
                                     assert!((s, q) == (r, r) && o.len() == 3 * n && (RUNS || n == 1));
                                     for (i, o) in o.chunks_mut(3).enumerate() {

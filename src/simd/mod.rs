@@ -300,6 +300,24 @@ pub(crate) fn kv_groups(token: IsaToken, x: &[f32], g: usize, codes: &mut [crate
     quant::kv_groups_body(x, g, codes, scales)
 }
 
+/// Dequantizes a cache part's groups ([`quant::kv_dequant_body`]) compiled for `token`'s ISA:
+/// `out[i] = codes[i].to_f32() * scales[i / g]`, the same bits on every ISA.
+pub(crate) fn kv_dequant(token: IsaToken, codes: &[crate::dtype::E4M3], g: usize, scales: &[f32], out: &mut [f32]) {
+    assert!(g > 0 && out.len() == codes.len() && codes.len() == scales.len() * g);
+    #[cfg(target_arch = "x86_64")]
+    match token.0 {
+        Isa::Avx512 | Isa::Avx512Bf16 => {
+            // SAFETY: the token proves AVX-512 F and BW (and AVX2, FMA) were detected.
+            return unsafe { x86::quant::kv_dequant_avx512(codes, g, scales, out) };
+        }
+        // SAFETY: the token proves AVX2 and FMA were detected.
+        Isa::Avx2 => return unsafe { x86::quant::kv_dequant_avx2(codes, g, scales, out) },
+        _ => {}
+    }
+    let _ = token;
+    quant::kv_dequant_body(codes, g, scales, out)
+}
+
 /// Prepares one block-scaled activation row ([`fp4::prepare_row_body`]) compiled for `token`'s
 /// ISA, as [`quantize_row`]: the same values on every ISA (tested).
 pub(crate) fn prepare_row(

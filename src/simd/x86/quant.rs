@@ -5,7 +5,7 @@
 use crate::dtype::BlockFormat;
 use crate::dtype::E4M3;
 use crate::simd::fp4::{ActRow, prepare_row_body};
-use crate::simd::quant::{kv_groups_body, quantize_row_body};
+use crate::simd::quant::{kv_dequant_body, kv_groups_body, quantize_row_body};
 
 /// [`quantize_row_body`] with AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
@@ -47,4 +47,16 @@ pub(in crate::simd) fn kv_groups_avx2(x: &[f32], g: usize, codes: &mut [E4M3], s
 #[target_feature(enable = "avx2,fma,avx512f,avx512bw")]
 pub(in crate::simd) fn kv_groups_avx512(x: &[f32], g: usize, codes: &mut [E4M3], scales: &mut [f32]) {
     kv_groups_body(x, g, codes, scales)
+}
+
+/// [`kv_dequant_body`] with AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub(in crate::simd) fn kv_dequant_avx2(codes: &[E4M3], g: usize, scales: &[f32], out: &mut [f32]) {
+    kv_dequant_body(codes, g, scales, out)
+}
+
+/// [`kv_dequant_body`] with AVX-512 F and BW.
+#[target_feature(enable = "avx2,fma,avx512f,avx512bw")]
+pub(in crate::simd) fn kv_dequant_avx512(codes: &[E4M3], g: usize, scales: &[f32], out: &mut [f32]) {
+    kv_dequant_body(codes, g, scales, out)
 }
