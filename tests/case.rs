@@ -127,6 +127,54 @@ fn quantized(c: &Case, g: usize) -> Case {
     with(&c, "kv_scales", Tensor::from_elements(shape, &scales))
 }
 
+/// A quantized cache is judged by its values, code × scale: a written group stored as half the
+/// codes at twice the scale (the same values) passes at zero tolerance, its codes and scales
+/// reported as off; a code one E4M3 step off fails at zero tolerance and passes at one ulp, named
+/// as the cache element, with the step counted as its ulp.
+#[test]
+fn quantized_caches_are_compared_by_value() {
+    let c = quantized(&tiny(Op::KvStoreRagged), 2);
+    let all = c.run_all(Mode::Exact, Exec::default()).unwrap();
+    let (codes, scales): (Vec<u8>, Vec<f32>) = (all["kv_blocks"].data.clone(), case::decode(&all["kv_scales"].data));
+    let input: Vec<f32> = case::decode(&c.tensors["kv_scales"].data);
+    // A written group whose codes all halve exactly (normal codes with an exponent field of 2 or
+    // more, or zeros) and are not all zero.
+    let halves = |c: u8| c & 0x7F == 0 || (c & 0x7F) >> 3 >= 2;
+    let q = (0..scales.len())
+        .find(|&q| {
+            let grp = &codes[2 * q..2 * q + 2];
+            scales[q] != input[q] && grp.iter().all(|&c| halves(c)) && grp.iter().any(|&c| c & 0x7F != 0)
+        })
+        .expect("a written group of halvable codes");
+    let mut same = all.clone();
+    let mut co = codes.clone();
+    for c in &mut co[2 * q..2 * q + 2] {
+        if *c & 0x7F != 0 {
+            *c -= 8; // one exponent down: half the value
+        }
+    }
+    let mut sc = scales.clone();
+    sc[q] *= 2.0;
+    same.insert("kv_blocks".into(), Tensor { data: co, ..all["kv_blocks"].clone() });
+    same.insert("kv_scales".into(), Tensor::from_elements(all["kv_scales"].shape.clone(), &sc));
+    let zero = case::Tolerance { atol: 0.0, rtol: 0.0, ulps: 0 };
+    let r = case::check(&c, &same, zero, Mode::Exact).unwrap();
+    assert!(r.passed, "{}", r.text);
+    assert!(r.text.contains("kv_values:") && r.text.contains("(reported: the values decide)"), "{}", r.text);
+    // One code one step up (its magnitude below the largest finite code).
+    let mut off = all.clone();
+    let mut co = codes.clone();
+    let i = (0..co.len()).find(|&i| co[i] & 0x7F != 0 && co[i] & 0x7F < 0x7E && scales[i / 2] != input[i / 2]).unwrap();
+    co[i] += 1;
+    off.insert("kv_blocks".into(), Tensor { data: co, ..all["kv_blocks"].clone() });
+    let r = case::check(&c, &off, zero, Mode::Exact).unwrap();
+    assert!(!r.passed, "{}", r.text);
+    let (_, v) = r.tensors.iter().find(|(n, _)| n == "kv_values").unwrap();
+    assert_eq!((v.failures, v.worst[0].0, v.worst[0].3), (1, i, 1), "{}", r.text);
+    let one = case::Tolerance { ulps: 1, ..zero };
+    assert!(case::check(&c, &off, one, Mode::Exact).unwrap().passed);
+}
+
 /// A case with a quantized cache: `run_all` updates `kv_scales` as the library call does, `run`
 /// still gives the output and codes, `check` passes the oracle's own results and fails a changed
 /// scale (named), a changed scale of an unwritten group (corruption) or missing scales; bad

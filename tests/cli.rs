@@ -71,6 +71,38 @@ fn every_op_runs_and_checks_against_itself() {
     }
 }
 
+/// `make-case --kv-quant G` makes a case with an FP8-quantized cache (F8_E4M3 codes, F32
+/// `kv_scales` of granularity G) for every op: it runs (fast and exact) and checks against itself,
+/// the report judging the values code × scale; a granularity that does not divide the head size is
+/// a one-line error naming `kv_scales`.
+#[test]
+fn quantized_cases_from_make_case() {
+    let d = dir("kvquant");
+    for op in case::Op::ALL.iter().map(|o| o.name()) {
+        let c = d.join(format!("{op}-q.safetensors"));
+        let o = run(&["make-case", "--op", op, "--kv-quant", "8", "--seed", "3", "-o", p(&c)]);
+        assert!(o.status.success(), "{op}: {}", String::from_utf8_lossy(&o.stderr));
+        let case = Case::from_bytes(&std::fs::read(&c).unwrap()).unwrap();
+        let (kv, sc) = (&case.tensors["kv_blocks"], &case.tensors["kv_scales"]);
+        assert_eq!((kv.dtype, sc.dtype), (Dtype::F8E4M3, Dtype::F32), "{op}");
+        assert_eq!(sc.shape[..5], kv.shape[..5]);
+        assert_eq!(sc.shape[5] * 8, kv.shape[5]);
+        let out = d.join(format!("{op}-q-out.safetensors"));
+        for (mode, ulps) in [("fast", "2"), ("exact", "0")] {
+            let o = run(&["run", p(&c), "-o", p(&out), "--mode", mode]);
+            assert!(o.status.success(), "{op}: {}", String::from_utf8_lossy(&o.stderr));
+            let o = run(&["check", p(&c), "--actual", p(&out), "--ulps", ulps]);
+            let text = String::from_utf8_lossy(&o.stdout);
+            assert_eq!(o.status.code(), Some(0), "{op} {mode}: {text}");
+            assert!(text.contains("kv_values:") && text.contains("verdict: PASS"), "{text}");
+        }
+    }
+    let o = run(&["make-case", "--op", "rope_ragged", "--kv-quant", "3", "-o", p(&d.join("bad"))]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("kv_scales") && err.lines().count() == 1, "{err}");
+}
+
 fn edit(path: &Path, f: impl FnOnce(&mut std::collections::BTreeMap<String, Tensor>)) {
     let mut t = case::load_tensors(&std::fs::read(path).unwrap()).unwrap();
     f(&mut t);

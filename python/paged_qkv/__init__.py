@@ -188,12 +188,20 @@ def save_case(path: Union[str, os.PathLike], case: Case) -> None:
 
 
 def make_case(
-    op: str, model: str = "tiny", batch: int = 3, seed: int = 0, format: str = "nvfp4", granularity: str = "tensor"
+    op: str,
+    model: str = "tiny",
+    batch: int = 3,
+    seed: int = 0,
+    format: str = "nvfp4",
+    granularity: str = "tensor",
+    kv_quant: Optional[int] = None,
 ) -> Case:
     """A realistic random case, as ``paged-qkv make-case`` writes it (``format`` for
     ``qkv_fp4_ragged``, ``granularity`` — ``"tensor"``, ``"channel"`` or ``"block"`` — for
-    ``qkv_fp8_ragged``)."""
-    op_, meta, tensors = _native.make_case(op, model, batch, seed, format, granularity)
+    ``qkv_fp8_ragged``). ``kv_quant=g`` makes the cache FP8-quantized (``--kv-quant``): E4M3
+    codes in ``kv_blocks`` and float32 ``kv_scales``, one scale per ``g`` elements of a head
+    (MAX's default 128; ``g`` divides the head size)."""
+    op_, meta, tensors = _native.make_case(op, model, batch, seed, format, granularity, kv_quant)
     return Case(op_, {name: _from_wire(d, s, b) for (name, d, s, b) in tensors}, meta)
 
 

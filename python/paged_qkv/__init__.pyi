@@ -189,7 +189,13 @@ class Case:
 def load_case(source: Union[str, os.PathLike, bytes]) -> Case: ...
 def save_case(path: Union[str, os.PathLike], case: Case) -> None: ...
 def make_case(
-    op: str, model: str = "tiny", batch: int = 3, seed: int = 0, format: str = "nvfp4", granularity: str = "tensor"
+    op: str,
+    model: str = "tiny",
+    batch: int = 3,
+    seed: int = 0,
+    format: str = "nvfp4",
+    granularity: str = "tensor",
+    kv_quant: Optional[int] = None,
 ) -> Case: ...
 
 class Report:

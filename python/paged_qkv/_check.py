@@ -235,6 +235,11 @@ def check_op(
     the KV stores). An element passes within ``atol + rtol·|ref|`` or within ``ulps`` units in the
     last place of its dtype; cache elements the operation does not write must be unchanged.
 
+    A quantized cache (``kv_scales`` among the inputs, as before the kernel ran; ``actual`` then
+    holds the kernel's ``kv_scales`` too) is judged by its values, code × scale: an ulp is one
+    step of the reference code at its scale. ``report.tensors["kv_scales"]`` reports the scales
+    (their differences alone do not fail) and their corruption (which does).
+
     ``padded_q``: the padded operations' Q rows past ``valid_lengths[b]`` (``qkv_bshd``,
     ``rope_bshd``, fused RoPE or not) are left undefined by MAX's padded RoPE and are not
     compared by default (``"ignore"``); ``"compare"`` compares them with the oracle's rows
@@ -253,19 +258,14 @@ def check_op(
     if unknown:
         raise ValueError(f"inputs: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not an argument of {name}")
     sig.bind(**kwargs)  # a missing argument: TypeError naming it
-    if kwargs.get("kv_scales") is not None:
-        # Before anything runs: the reference call would write the caller's scales in place.
-        raise ValueError(
-            "inputs: kv_scales (a quantized cache) is not supported by check_op yet; run the op with "
-            "mode='exact' on copies of kv_blocks and kv_scales and compare"
-        )
+    quantized = kwargs.get("kv_scales") is not None
     if not isinstance(actual, Mapping):
         raise TypeError("actual: expected a dict {'output': …, 'kv_blocks': …}")
     act = dict(actual)
     if "out" in act and "output" not in act:
         act["output"] = act.pop("out")
     has_out = name not in _STORES
-    for k in ("kv_blocks",) + (("output",) if has_out else ()):
+    for k in ("kv_blocks",) + (("output",) if has_out else ()) + (("kv_scales",) if quantized else ()):
         if k not in act:
             raise ValueError(f"actual: missing `{k}`")
 
@@ -276,6 +276,13 @@ def check_op(
         raise ValueError(f"actual `kv_blocks`: expected {kind} {kv_in.shape} (the input's), found {act_kv.dtype} {act_kv.shape}")
     nb, kv_dim, layers, page, heads, hd = kv_in.shape
     layer = int(kwargs["layer_idx"])
+    sc_in = act_sc = None
+    if quantized:
+        # The scales are never written here: the reference writes a compact copy.
+        sc_in = np.asarray(_native.as_array(kwargs["kv_scales"]))
+        act_sc = np.asarray(_native.as_array(act["kv_scales"]))
+        if act_sc.shape != sc_in.shape or act_sc.dtype != sc_in.dtype:
+            raise ValueError(f"actual `kv_scales`: expected {sc_in.dtype} {sc_in.shape} (the input's), found {act_sc.dtype} {act_sc.shape}")
 
     rows = _rows(name, kwargs, kv_in.shape)
     if rows is not None:
@@ -288,15 +295,23 @@ def check_op(
         remapped[seq[writes], pages] = np.searchsorted(touched, wb)
         # Only the written layer of the written blocks (the operation reads and writes no other).
         ref_kv = kv_in[touched, :, layer : layer + 1] if 0 <= layer < layers else None
+        ref_sc = None
         try:
             if ref_kv is None:
                 raise ValueError("layer_idx")
-            ref_out = fn(**dict(kwargs, kv_blocks=ref_kv, kv_lookup_table=remapped, layer_idx=0, mode=mode))
+            extra = {}
+            if quantized:
+                if sc_in.ndim != 6 or sc_in.shape[:5] != kv_in.shape[:5]:
+                    raise ValueError("kv_scales")
+                ref_sc = np.ascontiguousarray(sc_in[touched, :, layer : layer + 1])
+                extra = {"kv_scales": ref_sc}
+            ref_out = fn(**dict(kwargs, kv_blocks=ref_kv, kv_lookup_table=remapped, layer_idx=0, mode=mode, **extra))
         except (TypeError, ValueError):
             rows = None  # the full call below raises the operation's own error
     if rows is None:
         # Arguments that do not describe a call: the operation itself names the error.
-        fn(**dict(kwargs, kv_blocks=kv_in.copy(), mode=mode))
+        extra = {"kv_scales": sc_in.copy()} if quantized else {}
+        fn(**dict(kwargs, kv_blocks=kv_in.copy(), mode=mode, **extra))
         raise RuntimeError(f"check_op: {name} accepted arguments the checker could not follow; please report")
 
     tensors: Dict[str, TensorCheck] = {}
@@ -336,7 +351,17 @@ def check_op(
     in_t = kv_in[touched, :, layer : layer + 1]
     tc = TensorCheck("kv_blocks", kv_in.dtype.name)
     sel = np.flatnonzero(wmask.reshape(-1))
-    u, ab, rel, ok, gv, rv = _compare(act_t.reshape(-1)[sel], ref_kv.reshape(-1)[sel], kind, tol)
+    if quantized:
+        # A quantized cache is judged by its values, code × scale (the rule of `paged-qkv check`).
+        tc.dtype = f"{kv_in.dtype.name} × kv_scales (values; an ulp: a step of the reference code at its scale)"
+        g = hd // sc_in.shape[5]
+        per_elem = lambda s: np.repeat(s, g, axis=-1).reshape(-1)[sel].astype(np.float64)  # noqa: E731
+        codes = lambda a: np.ascontiguousarray(a).view(np.uint8).reshape(-1)[sel]  # noqa: E731
+        act_sc_t = act_sc[touched, :, layer : layer + 1]
+        u, ab, rel, ok, gv, rv = _compare_values(codes(act_t), per_elem(act_sc_t), codes(ref_kv), per_elem(ref_sc), tol)
+        sc_check = _scales_check(sc_in, act_sc, ref_sc, act_sc_t, wmask, touched, layer, g, max_failures)
+    else:
+        u, ab, rel, ok, gv, rv = _compare(act_t.reshape(-1)[sel], ref_kv.reshape(-1)[sel], kind, tol)
     owner = np.full((len(touched), page), -1, np.int64)
     owner[local, slots[writes]] = np.flatnonzero(writes)
 
@@ -368,11 +393,52 @@ def check_op(
     tc.corrupted = len(bad_all)
     tc.corrupted_index = bad_all[:max_failures]
     tensors["kv_blocks"] = tc
+    if quantized:
+        tensors["kv_scales"] = sc_check
 
     if not tc.passed:
-        _kv_hints(hints, name, kv_in.shape, act_kv, ref_kv, kind, tol, rows, touched, local, which, layer, kwargs)
+        if not quantized:
+            _kv_hints(hints, name, kv_in.shape, act_kv, ref_kv, kind, tol, rows, touched, local, which, layer, kwargs)
         _factor_hint(hints, "kv_blocks", gv[~ok], rv[~ok])
     return OpReport(name, mode, tensors, hints, tol, padded_q)
+
+
+def _compare_values(gc, gs, rc, rs, tol: Tuple[float, float, int]):
+    """A quantized cache's elements (codes, their groups' scales as float64): the values
+    ``code × scale`` compared as :func:`_compare` compares elements, the ulp being the E4M3 step of
+    the reference code at the reference scale (rounded up; -1: NaN against a number)."""
+    atol, rtol, ulp_tol = tol
+    gv, rv = _E4M3[gc] * gs, _E4M3[rc] * rs
+    gnan, rnan = np.isnan(gv), np.isnan(rv)
+    mism = gnan ^ rnan
+    e = (rc.astype(np.int64) >> 3) & 15
+    step = np.ldexp(1.0, np.where(e == 0, -9, e - 10)) * np.abs(rs)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        ab = np.where((gv == rv) | (gnan & rnan), 0.0, np.abs(gv - rv))
+        q = np.where(step > 0, ab / np.where(step > 0, step, 1), np.inf)
+        u = np.where(ab == 0, 0, np.where(np.isfinite(q), np.ceil(np.minimum(q, 2.0**62)), 2.0**62)).astype(np.int64)
+        ab[mism] = np.inf
+        rel = np.where(rv != 0, ab / np.abs(np.where(rv == 0, 1, rv)), np.where(ab == 0, 0.0, np.inf))
+        ok = ~mism & ((ab <= atol + rtol * np.abs(rv)) | (u <= ulp_tol))
+    u[mism] = -1
+    return u, ab, rel, ok, gv, rv
+
+
+def _scales_check(sc_in, act_sc, ref_sc, act_sc_t, wmask, touched, layer, g, cap) -> TensorCheck:
+    """A quantized cache's scales: the written groups' scales against the reference, reported (the
+    values decide, not these: ``failures`` stays 0); every other scale must be unchanged."""
+    tc = TensorCheck("kv_scales", sc_in.dtype.name + " (reported; the values decide)")
+    written = wmask.reshape(wmask.shape[:5] + (wmask.shape[5] // g, g)).any(axis=-1)
+    sel = np.flatnonzero(written.reshape(-1))
+    u, ab, rel, _, gv, rv = _compare(act_sc_t.reshape(-1)[sel], ref_sc.reshape(-1)[sel], "f32", (0.0, 0.0, 0))
+    _fill(tc, sel, u, ab, rel, np.ones(len(sel), bool), gv, rv, written.shape, cap, lambda f: np.zeros((len(f), 4), np.int64))
+    full = np.zeros(sc_in.shape, bool)
+    full[touched, :, layer : layer + 1] = written
+    changed = (act_sc.view(np.uint32) != sc_in.view(np.uint32)) & ~full
+    bad = np.array(np.nonzero(changed)).T.reshape(-1, 6)
+    tc.corrupted = len(bad)
+    tc.corrupted_index = bad[:cap]
+    return tc
 
 
 def _isin(b: int, touched: np.ndarray) -> bool:

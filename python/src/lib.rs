@@ -149,7 +149,8 @@ fn tensors_from_bytes<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Vec<Wire<'p
 
 /// A random case, as `paged-qkv make-case` writes it.
 #[pyfunction]
-#[pyo3(signature = (op, model, batch, seed, fmt, granularity="tensor"))]
+#[pyo3(signature = (op, model, batch, seed, fmt, granularity="tensor", kv_quant=None))]
+#[allow(clippy::too_many_arguments)]
 fn make_case<'py>(
     py: Python<'py>,
     op: &str,
@@ -158,16 +159,18 @@ fn make_case<'py>(
     seed: u64,
     fmt: &str,
     granularity: &str,
+    kv_quant: Option<usize>,
 ) -> PyResult<(String, BTreeMap<String, String>, Vec<Wire<'py>>)> {
     let o = Op::from_name(op).ok_or_else(|| err(format!("op: unknown `{op}`")))?;
     let m = case::model(model)
         .ok_or_else(|| err(format!("model: expected llama3-8b, qwen2.5-0.5b or tiny, found `{model}`")))?;
     let g = paged_qkv::Fp8Granularity::from_name(granularity)
         .ok_or_else(|| err(format!("granularity: expected tensor, channel or block, found `{granularity}`")))?;
+    let opts = case::MakeOptions::new().with_kv_quant(kv_quant);
     let c = if o == Op::QkvFp8Ragged {
-        case::make_fp8(m, batch, seed, g, case::MakeOptions::default()).map_err(err)?
+        case::make_fp8(m, batch, seed, g, opts).map_err(err)?
     } else {
-        case::make(o, m, batch, seed, format(fmt)?).map_err(err)?
+        case::make_with(o, m, batch, seed, format(fmt)?, opts).map_err(err)?
     };
     Ok((c.op.name().into(), c.meta, tensors_out(py, c.tensors)))
 }

@@ -112,16 +112,58 @@ def test_bad_scales_are_errors_that_write_nothing():
     assert codes.tobytes() == c0.tobytes() and scales.tobytes() == s0.tobytes()
 
 
-def test_check_op_refuses_a_quantized_cache_and_writes_nothing():
-    case = make("kv_store_ragged", "nvfp4", model="tiny", batch=2, seed=2)
-    _, kw = args_of(case)
+@pytest.mark.parametrize("op", OPS)
+def test_check_op_judges_a_quantized_cache_by_value(op):
+    """check_op on a quantized cache: the op's own results pass at zero tolerance and the inputs are
+    not written; the same values as half the codes at twice the scale pass; a code one step off
+    fails at zero ulps (named, one ulp) and passes at one; a changed scale of an unwritten group is
+    corruption; missing actual scales are an error."""
+    case = make(op, "block" if op == "qkv_fp8_ragged" else "nvfp4", model="tiny", batch=3, seed=7)
+    fn, kw = args_of(case)
     shape = kw["kv_blocks"].shape
-    codes, scales = start(shape, shape[5] // 2, 4)
+    g = shape[5] // 2
+    codes, scales = start(shape, g, 8)
     c0, s0 = codes.copy(), scales.copy()
     inputs = dict(kw, kv_blocks=codes, kv_scales=scales)
-    with pytest.raises(ValueError, match="kv_scales"):
-        pq.check_op("kv_store_ragged", inputs, {"kv_blocks": codes})
+    c, s = codes.copy(), scales.copy()
+    out = fn(**dict(kw, kv_blocks=c, kv_scales=s, mode="exact"))
+    actual = {"kv_blocks": c, "kv_scales": s} | ({} if out is None else {"output": out})
+    r = pq.check_op(op, inputs, actual, ulps=0)
+    assert r.passed, r
     assert codes.tobytes() == c0.tobytes() and scales.tobytes() == s0.tobytes()
+    assert "kv_scales" in r.tensors and r.tensors["kv_blocks"].compared > 0
+    # Written groups: scales that changed.
+    wg = np.argwhere(s != s0)
+    assert len(wg) > 0
+    # The same values, stored differently: every code of a halvable written group one exponent down.
+    b, p, l, sl, h, q = wg[0]
+    grp = c[b, p, l, sl, h, q * g:(q + 1) * g]
+    mag = grp & 0x7F
+    if ((mag == 0) | ((mag >> 3) >= 2)).all() and (mag != 0).any():
+        c2, s2 = c.copy(), s.copy()
+        c2[b, p, l, sl, h, q * g:(q + 1) * g] = np.where(mag == 0, grp, grp - 8)
+        s2[b, p, l, sl, h, q] *= 2
+        r = pq.check_op(op, inputs, dict(actual, kv_blocks=c2, kv_scales=s2), ulps=0)
+        assert r.passed, r
+    # One written code one step up.
+    i = next(
+        j for j in range(q * g, (q + 1) * g) if 0 < (c[b, p, l, sl, h, j] & 0x7F) < 0x7E
+    )
+    c3 = c.copy()
+    c3[b, p, l, sl, h, i] += 1
+    r = pq.check_op(op, inputs, dict(actual, kv_blocks=c3), ulps=0)
+    kvr = r.tensors["kv_blocks"]
+    assert not r.passed and kvr.failures == 1 and kvr.ulps[0] == 1, r
+    assert tuple(kvr.index[0]) == (b, p, l, sl, h, i)
+    assert pq.check_op(op, inputs, dict(actual, kv_blocks=c3), ulps=1).passed
+    # An unwritten group's scale changed.
+    u = np.argwhere(s == s0)[0]
+    s4 = s.copy()
+    s4[tuple(u)] += 1.0
+    r = pq.check_op(op, inputs, dict(actual, kv_scales=s4), ulps=0)
+    assert not r.passed and r.tensors["kv_scales"].corrupted == 1, r
+    with pytest.raises(ValueError, match="kv_scales"):
+        pq.check_op(op, inputs, {k: v for k, v in actual.items() if k != "kv_scales"})
 
 
 @pytest.mark.parametrize("op", ["qkv_ragged", "rope_ragged", "kv_store_bshd"])
@@ -146,3 +188,16 @@ def test_quantized_case_runs_and_checks_as_the_direct_path(op):
     bad = dict(want, kv_scales=np.asarray(want["kv_scales"]) * np.float32(1.5))
     report = pq.check(case, bad, ulps=0)
     assert not report.passed and "kv_scales" in str(report)
+
+
+@pytest.mark.parametrize("op", ["qkv_fp8_ragged", "rope_bshd", "kv_store_ragged"])
+def test_make_case_with_a_quantized_cache(op):
+    case = pq.make_case(op, kv_quant=8, seed=4)
+    kv, sc = case.tensors["kv_blocks"], case.tensors["kv_scales"]
+    assert kv.dtype == E4M3 and sc.dtype == np.float32
+    assert sc.shape == kv.shape[:5] + (kv.shape[5] // 8,)
+    got = case.run("fast")
+    assert pq.check(case, got).passed
+    assert "kv_values" in pq.check(case, got).text
+    with pytest.raises(ValueError, match="kv_scales"):
+        pq.make_case(op, kv_quant=3)

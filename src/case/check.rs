@@ -152,7 +152,8 @@ pub struct Report {
     /// The report: per tensor the elements compared, the largest errors and where, the ULP
     /// histogram, the worst positions named, corruption; then the verdict.
     pub text: String,
-    /// The numbers behind it, per tensor (`output`, `kv_blocks`).
+    /// The numbers behind it, per tensor (`output`, `kv_blocks`; for a quantized cache also
+    /// `kv_scales` and `kv_values`, its values code × scale, which decide).
     pub tensors: Vec<(String, TensorReport)>,
 }
 
@@ -232,49 +233,160 @@ pub fn check_with(
     let got = actual.get("kv_blocks").ok_or_else(|| missing("kv_blocks"))?;
     pairs.push(("kv_blocks", got, ref_kv, &kv_mask, Some(case.tensor("kv_blocks")?)));
     let g = kv_mask.len().checked_div(scales_mask.len()).unwrap_or(1);
+    let quantized = refs.contains_key("kv_scales");
     if let Some(rs) = refs.remove("kv_scales") {
         let got = actual.get("kv_scales").ok_or_else(|| missing("kv_scales"))?;
         pairs.push(("kv_scales", got, rs, &scales_mask, Some(case.tensor("kv_scales")?)));
     }
+    // A quantized cache's meaning is code × scale: those values decide (`values` below); its codes
+    // and scales are compared and reported too, and must not change outside the written groups,
+    // but a code or scale off by more than the tolerance fails only through the values it gives
+    // (a scale one f32 ulp off moves no value by more than that ulp, yet can move codes).
+    if quantized {
+        let _ = writeln!(
+            text,
+            "quantized cache: the values code × scale decide; codes and scales outside the tolerance are \
+             reported, corruption of either fails"
+        );
+    }
+    let mut values = None;
     for (name, got, want, mask, input) in pairs {
         let r = compare(name, got, &want, mask, input, tol)?;
+        if quantized && name != "output" {
+            values.get_or_insert_with(Vec::new).push((got.data.clone(), want.data.clone()));
+        }
+        let decides = !(quantized && name != "output");
         let namer = |i: usize| match name {
             "output" => case.name_output(i),
             // A scale: its group's first element.
             "kv_scales" => format!("the scale of {}", case.name_cache(i * g)),
             _ => case.name_cache(i),
         };
-        let _ = writeln!(text, "{name}: {} elements compared ({})", r.compared, got.dtype);
-        let at = |(v, i): (f64, usize)| if v > 0.0 { format!("{v:.3e} at {}", namer(i)) } else { "0".into() };
-        let _ = writeln!(text, "  max abs error {}", at(r.max_abs));
-        let _ = writeln!(text, "  max rel error {}", at(r.max_rel));
-        let mut h = String::new();
-        let mut lo = 0;
-        for (i, &b) in ULP_BUCKETS.iter().enumerate() {
-            let label = if b == lo { format!("{b}") } else { format!("{lo}-{b}") };
-            h += &format!("{label}: {}  ", r.ulp_hist[i]);
-            lo = b + 1;
-        }
-        h += &format!(">{}: {}  NaN mismatch: {}", ULP_BUCKETS[6], r.ulp_hist[7], r.ulp_hist[8]);
-        let _ = writeln!(text, "  ULP histogram  {h}");
-        let _ = writeln!(text, "  outside tolerance: {}", r.failures);
-        for &(i, g, w, u) in &r.worst {
-            let u = if u == u64::MAX { "NaN".into() } else { u.to_string() };
-            let _ = writeln!(text, "    {} actual {g:e}, reference {w:e}, {u} ulp", namer(i));
-        }
-        if !r.corrupted.is_empty() {
-            let _ = writeln!(
-                text,
-                "  CORRUPTION: {} elements outside the written slots changed, e.g. {}",
-                r.corrupted.len(),
-                namer(r.corrupted[0])
-            );
-        }
-        passed &= r.failures == 0 && r.corrupted.is_empty();
+        report_tensor(&mut text, name, &got.dtype.to_string(), &r, decides, namer);
+        passed &= (!decides || r.failures == 0) && r.corrupted.is_empty();
         tensors.push((name.to_string(), r));
+    }
+    if let Some([(gc, wc), (gs, ws)]) = values.as_deref() {
+        let r = compare_values((gc, &decode::<f32>(gs)), (wc, &decode::<f32>(ws)), g, &kv_mask, tol);
+        report_tensor(
+            &mut text,
+            "kv_values",
+            "code × scale; an ulp: a step of the reference code at its scale",
+            &r,
+            true,
+            |i| case.name_cache(i),
+        );
+        passed &= r.failures == 0;
+        tensors.push(("kv_values".to_string(), r));
     }
     let _ = write!(text, "verdict: {}", if passed { "PASS" } else { "FAIL" });
     Ok(Report { passed, text, tensors })
+}
+
+/// One tensor's section of a report: `decides` false marks its failures as reported only.
+fn report_tensor(
+    text: &mut String,
+    name: &str,
+    dtype: &str,
+    r: &TensorReport,
+    decides: bool,
+    namer: impl Fn(usize) -> String,
+) {
+    use std::fmt::Write as _;
+    let _ = writeln!(text, "{name}: {} elements compared ({dtype})", r.compared);
+    let at = |(v, i): (f64, usize)| if v > 0.0 { format!("{v:.3e} at {}", namer(i)) } else { "0".into() };
+    let _ = writeln!(text, "  max abs error {}", at(r.max_abs));
+    let _ = writeln!(text, "  max rel error {}", at(r.max_rel));
+    let mut h = String::new();
+    let mut lo = 0;
+    for (i, &b) in ULP_BUCKETS.iter().enumerate() {
+        let label = if b == lo { format!("{b}") } else { format!("{lo}-{b}") };
+        h += &format!("{label}: {}  ", r.ulp_hist[i]);
+        lo = b + 1;
+    }
+    h += &format!(">{}: {}  NaN mismatch: {}", ULP_BUCKETS[6], r.ulp_hist[7], r.ulp_hist[8]);
+    let _ = writeln!(text, "  ULP histogram  {h}");
+    let note = if decides || r.failures == 0 { "" } else { " (reported: the values decide)" };
+    let _ = writeln!(text, "  outside tolerance: {}{note}", r.failures);
+    for &(i, g, w, u) in &r.worst {
+        let u = if u == u64::MAX { "NaN".into() } else { u.to_string() };
+        let _ = writeln!(text, "    {} actual {g:e}, reference {w:e}, {u} ulp", namer(i));
+    }
+    if !r.corrupted.is_empty() {
+        let _ = writeln!(
+            text,
+            "  CORRUPTION: {} elements outside the written slots changed, e.g. {}",
+            r.corrupted.len(),
+            namer(r.corrupted[0])
+        );
+    }
+}
+
+/// The E4M3 step at `code`'s magnitude (the distance to the next code up): 2^-9 for the
+/// subnormals, 2^(e − 10) for exponent field `e`.
+fn e4m3_step(code: u8) -> f64 {
+    let e = (code >> 3) & 15;
+    2f64.powi(if e == 0 { -9 } else { i32::from(e) - 10 })
+}
+
+/// Compares a quantized cache's values, `code × scale` of its group (`g` elements), at the
+/// `mask`ed elements: `got` against the reference `want` (codes, scales). An element passes within
+/// `atol + rtol · |ref|` or within `ulps` steps of the reference code at the reference scale (its
+/// "ulp" as a value of the cache); NaN matches NaN only. The ULP histogram counts those steps,
+/// rounded up.
+pub fn compare_values(
+    got: (&[u8], &[f32]),
+    want: (&[u8], &[f32]),
+    g: usize,
+    mask: &[bool],
+    tol: Tolerance,
+) -> TensorReport {
+    let g = g.max(1);
+    let value = |(c, s): (&[u8], &[f32]), i: usize| E4M3(c[i]).to_f32() as f64 * s[i / g] as f64;
+    let mut rep = TensorReport::default();
+    let mut worst = Vec::new();
+    let n = got.0.len().min(want.0.len()).min(mask.len());
+    for i in (0..n).filter(|&i| mask[i] && i / g < got.1.len().min(want.1.len())) {
+        rep.compared += 1;
+        let (x, y) = (value(got, i), value(want, i));
+        let abs = if x == y || (x.is_nan() && y.is_nan()) { 0.0 } else { (x - y).abs() };
+        let step = e4m3_step(want.0[i]) * want.1[i / g].abs() as f64;
+        let ulps = if x.is_nan() != y.is_nan() {
+            u64::MAX
+        } else if abs == 0.0 {
+            0
+        } else if step > 0.0 && (abs / step).is_finite() {
+            ((abs / step).ceil() as u64).min(u64::MAX - 1)
+        } else {
+            u64::MAX - 1
+        };
+        let rel = if y != 0.0 {
+            abs / y.abs()
+        } else if abs == 0.0 {
+            0.0
+        } else {
+            f64::INFINITY
+        };
+        let abs = if ulps == u64::MAX { f64::INFINITY } else { abs };
+        if abs > rep.max_abs.0 {
+            rep.max_abs = (abs, i);
+        }
+        if rel > rep.max_rel.0 {
+            rep.max_rel = (rel, i);
+        }
+        let bucket = if ulps == u64::MAX { 8 } else { ULP_BUCKETS.iter().position(|&b| ulps <= b).unwrap_or(7) };
+        rep.ulp_hist[bucket] += 1;
+        if !(ulps != u64::MAX && (abs <= tol.atol + tol.rtol * y.abs() || ulps <= tol.ulps)) {
+            rep.failures += 1;
+        }
+        if ulps > 0 {
+            worst.push((i, x, y, ulps));
+        }
+    }
+    worst.sort_by(|a, b| b.3.cmp(&a.3).then(a.0.cmp(&b.0)));
+    worst.truncate(10);
+    rep.worst = worst;
+    rep
 }
 
 /// Comparison tolerances: an element passes when `|x − ref| ≤ atol + rtol · |ref|` **or** it is

@@ -56,12 +56,34 @@ pub fn normal(rng: &mut fastrand::Rng) -> f32 {
     (0..4).map(|_| rng.f32() - 0.5).sum::<f32>() * 1.732
 }
 
-/// Options of [`make_with`].
+/// Options of [`make_with`]: build them with [`MakeOptions::new`] and the `with_` methods.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct MakeOptions {
     /// Store E4M3 data and scales as `F8_E4M3` and E8M0 scales as `F8_E8M0` instead of `U8`.
     /// `U8` (the default) is what `safetensors.numpy` can load; the reader accepts both.
     pub f8_dtypes: bool,
+    /// Make the cache FP8-quantized ([semantics §3.1](crate::semantics)) with one f32 scale per
+    /// this many elements of a head (MAX's default: 128; at least 2, dividing the head size):
+    /// `kv_blocks` holds E4M3 codes (`F8_E4M3`, the dtype that makes a case's cache quantized),
+    /// `kv_scales` the scales, each group of the random cache quantized as the ops quantize what
+    /// they write.
+    pub kv_quant: Option<usize>,
+}
+
+impl MakeOptions {
+    /// The defaults: FP8 bytes as `U8`, a bf16 cache.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// With [`f8_dtypes`](Self::f8_dtypes) set.
+    pub fn with_f8_dtypes(self, f8_dtypes: bool) -> Self {
+        MakeOptions { f8_dtypes, ..self }
+    }
+    /// With [`kv_quant`](Self::kv_quant) set.
+    pub fn with_kv_quant(self, granularity: Option<usize>) -> Self {
+        MakeOptions { kv_quant: granularity, ..self }
+    }
 }
 
 /// Writes a realistic random case of `op` for `m` (see [`make_with`]), with FP8 bytes as U8.
@@ -124,7 +146,17 @@ fn make_case(
     let shape = CacheShape::mha(num_blocks, 2, m.page, m.kv_heads, m.head)?;
     let kv: Vec<bf16> = (0..shape.len()).map(|_| bf16::from_f32(normal(&mut rng) * 0.5)).collect();
     let mut t = BTreeMap::new();
-    t.insert("kv_blocks".to_string(), Tensor::from_elements(shape.dims().to_vec(), &kv));
+    match opts.kv_quant {
+        None => {
+            t.insert("kv_blocks".to_string(), Tensor::from_elements(shape.dims().to_vec(), &kv));
+        }
+        Some(g) => {
+            let (codes, scales) = quantize_cache(&kv, shape, g)?;
+            // F8_E4M3 whatever `f8_dtypes` says: the reader takes a cache's dtype from `kv_blocks`.
+            t.insert("kv_blocks".to_string(), Tensor::from_bytes(Dtype::F8E4M3, shape.dims().to_vec(), codes));
+            t.insert("kv_scales".to_string(), Tensor::from_elements(scales.dims().to_vec(), scales.data()));
+        }
+    }
     t.insert("cache_lengths".into(), Tensor::from_u32(vec![batch], &cache_lengths));
     t.insert("kv_lookup_table".into(), Tensor::from_u32(vec![batch, cols], &lookup));
     let mut meta = BTreeMap::new();
@@ -240,4 +272,21 @@ fn make_case(
         }
     }
     Ok(Case { op, meta, tensors: t })
+}
+
+/// A cache's values quantized as the ops quantize what they write ([semantics §3.1](crate::semantics)):
+/// per group of `g` elements `scale = amax / 448`, codes `E4M3(x · (1 / scale))`.
+fn quantize_cache(kv: &[bf16], shape: CacheShape, g: usize) -> Result<(Vec<u8>, crate::KvScales)> {
+    let mut scales = crate::KvScales::zeros(shape, g)?;
+    let mut codes = vec![0u8; kv.len()];
+    let mut s = scales.view_mut();
+    for ((x, c), sc) in kv.chunks(g).zip(codes.chunks_mut(g)).zip(s.data_mut()) {
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.to_f32().abs()));
+        let (scale, inv) = crate::formats::quantize::fp8_scale(amax);
+        for (c, v) in c.iter_mut().zip(x) {
+            *c = E4M3::from_f32(v.to_f32() * inv).0;
+        }
+        *sc = scale;
+    }
+    Ok((codes, scales))
 }

@@ -15,10 +15,10 @@
 //!   `kv_lookup_table` (U32 `[batch, cols]`), `valid_lengths` (U32), `q_proj`, `freqs_cis`,
 //!   `position_ids` (U32), `output` (the pre-allocated output; its shape gives q_dim; rows the op
 //!   does not write keep their contents).
-//! * A quantized cache (semantics §3.1): `kv_blocks` of F8_E4M3 (or U8) codes and `kv_scales`, F32
+//! * A quantized cache (semantics §3.1): `kv_blocks` of F8_E4M3 codes and `kv_scales`, F32
 //!   `[num_blocks, kv_dim, num_layers, page_size, num_kv_heads, head_size / g]` (the granularity
 //!   `g` from its last dimension); both are written by the op, returned by `run` and compared by
-//!   `check`.
+//!   `check`, which judges the cache by its values, code × scale (`kv_values` in the report).
 //! * Dtypes: packed FP4 as U8 `[rows, K/2]` or F4 `[rows, K]`; E4M3 as F8_E4M3 or U8; E8M0 as
 //!   F8_E8M0 or U8; BF16, F16, F32 (and F8_E4M3 for `kv_blocks`); U32 for indices.
 //!
@@ -47,7 +47,9 @@ mod read;
 mod run;
 
 pub use crate::ops::freqs_cis;
-pub use check::{CheckOptions, Report, TensorReport, Tolerance, ULP_BUCKETS, check, check_with, compare};
+pub use check::{
+    CheckOptions, Report, TensorReport, Tolerance, ULP_BUCKETS, check, check_with, compare, compare_values,
+};
 pub use make::{MODELS, MakeOptions, ModelShape, make, make_fp8, make_with, model, normal};
 pub use read::{load_tensors, save_tensors};
 pub use run::exec;

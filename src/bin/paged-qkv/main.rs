@@ -290,6 +290,10 @@ enum Cmd {
         /// Store FP8 data and scales as F8_E4M3 / F8_E8M0 instead of U8 (U8 loads in safetensors.numpy).
         #[arg(long)]
         f8_dtypes: bool,
+        /// Make the cache FP8-quantized: E4M3 codes in kv_blocks, f32 kv_scales, one scale per this
+        /// many elements of a head (MAX's quantization_granularity, e.g. 128; it must divide the head size).
+        #[arg(long, value_name = "GRANULARITY")]
+        kv_quant: Option<usize>,
         /// Where to write the case.
         #[arg(short = 'o', long = "out")]
         out: PathBuf,
@@ -389,9 +393,9 @@ fn main() -> ExitCode {
             let opts = case::CheckOptions::new().with_compare_padded_q(compare_padded_q);
             check(&case, &actual, Tolerance { atol, rtol, ulps }, mode.into(), opts, rope_math)
         }
-        Cmd::MakeCase { op, model, batch, seed, format, granularity, f8_dtypes, out } => {
-            make_case(op.into(), model.shape(), batch, seed, (format.into(), granularity.into()), f8_dtypes, &out)
-                .map(|_| 0)
+        Cmd::MakeCase { op, model, batch, seed, format, granularity, f8_dtypes, kv_quant, out } => {
+            let opts = MakeOptions::new().with_f8_dtypes(f8_dtypes).with_kv_quant(kv_quant);
+            make_case(op.into(), model.shape(), batch, seed, (format.into(), granularity.into()), opts, &out).map(|_| 0)
         }
         Cmd::Demo { threads } => pool(threads).and_then(|p| p.install(demo)).map(|_| 0),
         Cmd::Bench { model, threads, dtype, isa, par, decode_step: false, .. } => {
@@ -467,10 +471,9 @@ fn make_case(
     batch: usize,
     seed: u64,
     (f, g): (BlockFormat, Fp8Granularity),
-    f8_dtypes: bool,
+    opts: MakeOptions,
     out: &PathBuf,
 ) -> Result<(), Bad> {
-    let opts = MakeOptions { f8_dtypes };
     let c = if op == Op::QkvFp8Ragged {
         case::make_fp8(m, batch, seed, g, opts)?
     } else {
