@@ -347,45 +347,21 @@ pub fn compare_values(
     let mut worst = Vec::new();
     let n = got.0.len().min(want.0.len()).min(mask.len());
     for i in (0..n).filter(|&i| mask[i] && i / g < got.1.len().min(want.1.len())) {
-        rep.compared += 1;
         let (x, y) = (value(got, i), value(want, i));
-        let abs = if x == y || (x.is_nan() && y.is_nan()) { 0.0 } else { (x - y).abs() };
         let step = e4m3_step(want.0[i]) * want.1[i / g].abs() as f64;
+        let d = (x - y).abs();
         let ulps = if x.is_nan() != y.is_nan() {
             u64::MAX
-        } else if abs == 0.0 {
+        } else if x == y || x.is_nan() {
             0
-        } else if step > 0.0 && (abs / step).is_finite() {
-            ((abs / step).ceil() as u64).min(u64::MAX - 1)
+        } else if step > 0.0 && (d / step).is_finite() {
+            ((d / step).ceil() as u64).min(u64::MAX - 1)
         } else {
             u64::MAX - 1
         };
-        let rel = if y != 0.0 {
-            abs / y.abs()
-        } else if abs == 0.0 {
-            0.0
-        } else {
-            f64::INFINITY
-        };
-        let abs = if ulps == u64::MAX { f64::INFINITY } else { abs };
-        if abs > rep.max_abs.0 {
-            rep.max_abs = (abs, i);
-        }
-        if rel > rep.max_rel.0 {
-            rep.max_rel = (rel, i);
-        }
-        let bucket = if ulps == u64::MAX { 8 } else { ULP_BUCKETS.iter().position(|&b| ulps <= b).unwrap_or(7) };
-        rep.ulp_hist[bucket] += 1;
-        if !(ulps != u64::MAX && (abs <= tol.atol + tol.rtol * y.abs() || ulps <= tol.ulps)) {
-            rep.failures += 1;
-        }
-        if ulps > 0 {
-            worst.push((i, x, y, ulps));
-        }
+        rep.tally(&mut worst, i, (x, y), ulps, tol);
     }
-    worst.sort_by(|a, b| b.3.cmp(&a.3).then(a.0.cmp(&b.0)));
-    worst.truncate(10);
-    rep.worst = worst;
+    rep.finish(worst);
     rep
 }
 
@@ -421,6 +397,54 @@ pub struct TensorReport {
     pub worst: Vec<(usize, f64, f64, u64)>,
     /// Elements the op does not write that differ from the case's input (`kv_blocks` only).
     pub corrupted: Vec<usize>,
+}
+
+impl TensorReport {
+    /// Counts one compared element `i` (actual `x`, reference `y`, `ulps` apart; `u64::MAX`: NaN
+    /// against a number) into the maxima, the histogram, the failures and the `worst` candidates.
+    fn tally(
+        &mut self,
+        worst: &mut Vec<(usize, f64, f64, u64)>,
+        i: usize,
+        (x, y): (f64, f64),
+        ulps: u64,
+        tol: Tolerance,
+    ) {
+        self.compared += 1;
+        let abs = match ulps {
+            0 => 0.0,
+            u64::MAX => f64::INFINITY,
+            _ => (x - y).abs(),
+        };
+        let rel = if y != 0.0 {
+            abs / y.abs()
+        } else if abs == 0.0 {
+            0.0
+        } else {
+            f64::INFINITY
+        };
+        if abs > self.max_abs.0 {
+            self.max_abs = (abs, i);
+        }
+        if rel > self.max_rel.0 {
+            self.max_rel = (rel, i);
+        }
+        let bucket = if ulps == u64::MAX { 8 } else { ULP_BUCKETS.iter().position(|&b| ulps <= b).unwrap_or(7) };
+        self.ulp_hist[bucket] += 1;
+        if !(ulps != u64::MAX && (abs <= tol.atol + tol.rtol * y.abs() || ulps <= tol.ulps)) {
+            self.failures += 1;
+        }
+        if ulps > 0 {
+            worst.push((i, x, y, ulps));
+        }
+    }
+
+    /// Keeps the ten worst of `worst` (most ulps first, then by index).
+    fn finish(&mut self, mut worst: Vec<(usize, f64, f64, u64)>) {
+        worst.sort_by(|a, b| b.3.cmp(&a.3).then(a.0.cmp(&b.0)));
+        worst.truncate(10);
+        self.worst = worst;
+    }
 }
 
 fn ordered(bits: u32, width_bits: u32) -> i64 {
@@ -472,45 +496,14 @@ pub fn compare(
             }
             continue;
         }
-        rep.compared += 1;
         let (x, y) = (g[i], r[i]);
         let ulps = if x.is_nan() || y.is_nan() {
             if x.is_nan() && y.is_nan() { 0 } else { u64::MAX }
         } else {
             (ordered(gb[i], w) - ordered(rb[i], w)).unsigned_abs()
         };
-        let abs = if ulps == 0 {
-            0.0
-        } else if ulps == u64::MAX {
-            f64::INFINITY
-        } else {
-            (x - y).abs()
-        };
-        let rel = if y != 0.0 {
-            abs / y.abs()
-        } else if abs == 0.0 {
-            0.0
-        } else {
-            f64::INFINITY
-        };
-        if abs > rep.max_abs.0 {
-            rep.max_abs = (abs, i);
-        }
-        if rel > rep.max_rel.0 {
-            rep.max_rel = (rel, i);
-        }
-        let bucket = if ulps == u64::MAX { 8 } else { ULP_BUCKETS.iter().position(|&b| ulps <= b).unwrap_or(7) };
-        rep.ulp_hist[bucket] += 1;
-        let ok = ulps != u64::MAX && (abs <= tol.atol + tol.rtol * y.abs() || ulps <= tol.ulps);
-        if !ok {
-            rep.failures += 1;
-        }
-        if ulps > 0 {
-            worst.push((i, x, y, ulps));
-        }
+        rep.tally(&mut worst, i, (x, y), ulps, tol);
     }
-    worst.sort_by(|a, b| b.3.cmp(&a.3).then(a.0.cmp(&b.0)));
-    worst.truncate(10);
-    rep.worst = worst;
+    rep.finish(worst);
     Ok(rep)
 }
