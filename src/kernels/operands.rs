@@ -126,7 +126,8 @@ impl Fp4Operands<'_> {
 
     /// MXFP8 tiles of at least two row chunks, through `crate::simd::fp8_tiled` (weights decoded
     /// once per tile, not once per row chunk). Measured on the Llama-3-8B shape at M = 512,
-    /// 1 thread, Intel Xeon: 68 → 100 GFLOP/s (docs/performance.md).
+    /// 1 thread, Intel Xeon: 68 → 100 GFLOP/s; AVX2 on AMD Zen 3: 22–28 → 37–63 GFLOP/s
+    /// (docs/performance.md).
     fn fp8_tiled(&self, token: IsaToken, rows: &[usize], g0: usize, g1: usize, buf: &mut [f32]) {
         let mr = crate::simd::fp4_mr(token);
         let n = rows.len().div_ceil(mr);
@@ -144,7 +145,7 @@ impl Fp4Operands<'_> {
     }
 }
 
-/// Most row chunks of one FP4-family tile (`mc` ≤ 128 rows in chunks of 8 on the tiled kernel).
+/// Most row chunks of one FP4-family tile (`mc` rows in chunks of `fp4_mr` on the tiled kernel).
 const MAX_CHUNKS: usize = 16;
 
 /// An exact scale `(mantissa, exponent)`, or `None` for a NaN scale.
@@ -159,10 +160,15 @@ fn exact_scale(format: BlockFormat, byte: u8) -> Option<(i128, i32)> {
 impl Operands for Fp4Operands<'_> {
     const MC: usize = 64;
 
-    /// MXFP8 on the tiled kernel: 128 rows, so each decoded weight slice serves twice the rows
-    /// (measured at M = 512 on one thread, Intel Xeon: 110 → 116 GFLOP/s; FP4 unchanged by it).
+    /// MXFP8 on the tiled kernel: [`MAX_CHUNKS`] row chunks (128 rows on AVX-512, 64 on AVX2), so
+    /// each decoded weight slice serves as many rows as a tile holds (measured at M = 512 on one
+    /// thread, Intel Xeon: 110 → 116 GFLOP/s with 128 rows instead of 64; FP4 unchanged by it).
     fn mc(&self, token: IsaToken) -> usize {
-        if self.w.format == BlockFormat::Mxfp8 && crate::simd::fp8_decodes(token) { 2 * Self::MC } else { Self::MC }
+        if self.w.format == BlockFormat::Mxfp8 && crate::simd::fp8_decodes(token) {
+            MAX_CHUNKS * crate::simd::fp4_mr(token)
+        } else {
+            Self::MC
+        }
     }
 
     fn tile(&self, token: IsaToken, t: &Tile<'_>, buf: &mut [f32]) {
@@ -468,8 +474,8 @@ mod tests {
         }
     }
 
-    /// The decode MXFP8 kernels — AVX2 (one row), AVX-512 (one and two rows) with the half decode
-    /// and with the f32-bits decode (the public tests reach only the AVX-512 one the CPU
+    /// The decode MXFP8 kernels — AVX2 (one row), AVX-512 (one and two rows), each with the half
+    /// decode and with the f32-bits decode (the public tests reach only the one the CPU
     /// selects) — bit for bit the scalar kernel, with every E4M3 byte but NaN in the weights
     /// (subnormals, ±0, ±448) and in the activations, and block scales from 2⁻¹²⁷ to 2¹²⁷ on
     /// both sides (sums and scale products that overflow f32, and ones far below its normal

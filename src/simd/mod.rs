@@ -20,7 +20,7 @@
 //!
 //! **MXFP8**: the same structure with f32 block sums, in the canonical order of [`fp8`] (E4M3
 //! weights widened exactly through IEEE half bits, a chain of FMAs per block in k order). On
-//! AVX-512, tiles of two or more row chunks go through [`fp8_tiled`]: each weight slice is
+//! AVX2 and AVX-512, tiles of two or more row chunks go through [`fp8_tiled`]: each weight slice is
 //! decoded once into an f32 buffer that every chunk reads from L1, the accumulators continue
 //! through memory between blocks (the same chain, so the same bits). Decode rows go through
 //! [`fp8_row`]: four groups (and on AVX-512 up to two rows) per call, one FMA chain per row,
@@ -186,18 +186,30 @@ pub(crate) const DECODE_ROWS: usize = 2;
 
 /// Whether the decode (one- or two-row) kernels issue software prefetches ahead of the weight
 /// streams. Intel: yes (on Emerald Rapids they took bf16 decode from DRAM from ~1.3× to ~1.0× a
-/// plain read of the bytes). AMD families up to 19h (Zen 3, Zen 4): no — on Zen 4 the same
-/// `prefetcht0` 1 KiB ahead made bf16 decode from DRAM ~1.45× instead of ~1.25× a plain read,
-/// and `prefetcht1` gained nothing over the hardware prefetcher (Zen 3 was not measured). AMD
-/// family 1Ah (Zen 5) and later: yes — paired runs on Zen 5, the two settings alternated two or
-/// three times (`cargo bench --bench qkv_fp4 -- 'paired/(llama3-8b|qwen2.5-0.5b)/decode_nvfp4'`
-/// and `--bench qkv_plain -- 'paired/llama3-8b/decode_bf16'`), ratio to a plain read's rate:
-/// Llama-3-8B NVFP4 from DRAM, one thread, 0.76–0.81 → 0.84–0.85 (two threads unchanged,
-/// 0.84–0.85), L3-hot 0.77–0.79 → 0.83–0.85; bf16 from DRAM 1.16–1.17 → 1.18–1.19; Qwen2.5-0.5B
-/// NVFP4 L3-hot 0.82–0.83 → 0.81 (docs/performance.md).
+/// plain read of the bytes). AMD Zen 4 (family 19h with AVX-512): no — the same `prefetcht0`
+/// 1 KiB ahead made bf16 decode from DRAM ~1.45× instead of ~1.25× a plain read, and
+/// `prefetcht1` gained nothing over the hardware prefetcher. AMD Zen 3 (family 19h without
+/// AVX-512): yes — paired on one thread, the setting alternated call by call (a temporary switch),
+/// Llama-3-8B's weight from DRAM: NVFP4 0.91× the time without (two runs), bf16 1.004–1.009×,
+/// MXFP8 0.993–0.996×; Qwen2.5-0.5B NVFP4 from L3 1.00×. AMD family 1Ah (Zen 5) and later:
+/// yes — paired runs on Zen 5, the two settings alternated two or three times (`cargo bench
+/// --bench qkv_fp4 -- 'paired/(llama3-8b|qwen2.5-0.5b)/decode_nvfp4'` and `--bench qkv_plain --
+/// 'paired/llama3-8b/decode_bf16'`), ratio to a plain read's rate: Llama-3-8B NVFP4 from DRAM,
+/// one thread, 0.76–0.81 → 0.84–0.85 (two threads unchanged, 0.84–0.85), L3-hot 0.77–0.79 →
+/// 0.83–0.85; bf16 from DRAM 1.16–1.17 → 1.18–1.19; Qwen2.5-0.5B NVFP4 L3-hot 0.82–0.83 → 0.81
+/// (docs/performance.md). Older AMD families (Zen 1, Zen 2) were not measured and keep the
+/// hardware prefetcher alone.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // its callers are the x86 kernels
 pub(crate) fn prefetch_weights() -> bool {
-    !is_amd() || cpu_family() >= 0x1A
+    !is_amd() || cpu_family() >= 0x1A || is_zen3()
+}
+
+/// AMD Zen 3: family 19h without AVX-512 (Zen 4, the same family, has it).
+fn is_zen3() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return is_amd() && cpu_family() == 0x19 && !std::arch::is_x86_feature_detected!("avx512f");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// The CPU's family (CPUID leaf 1: the base family, plus the extended family where the base is
@@ -483,7 +495,7 @@ pub(crate) const FP8_DEC_BLOCKS: usize = 8;
 /// Whether `token`'s ISA has the tiled MXFP8 kernel ([`fp8_tiled`]).
 pub(crate) fn fp8_decodes(token: IsaToken) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if matches!(token.0, Isa::Avx512 | Isa::Avx512Bf16) {
+    if matches!(token.0, Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16) {
         return true;
     }
     let _ = token;
@@ -492,7 +504,7 @@ pub(crate) fn fp8_decodes(token: IsaToken) -> bool {
 
 /// MXFP8 for several chunks of rows × `groups` adjacent weight groups (`group(i)`, all of one
 /// weight), where [`fp8_decodes`]: for each pair of groups (the last alone when the count is
-/// odd) and each slice of [`FP8_DEC_BLOCKS`] blocks, the weights are decoded once into
+/// odd; one group at a time on AVX2) and each slice of [`FP8_DEC_BLOCKS`] blocks, the weights are decoded once into
 /// `scratch` and every chunk runs on them, continuing its accumulators through `out`. Writes
 /// `out[(ci·mr + i)·ld + g·16 + c]` (mr = [`fp4_mr`]; every chunk but the last has mr rows): the
 /// canonical order of [`fp8`], so the bits of [`fp8_group`].
@@ -526,18 +538,43 @@ pub(crate) fn fp8_tiled<'w>(
         scratch.resize(need, 0.0);
     }
     // Slices outermost: a slice of every row's activations stays in L2 while each group pair
-    // is decoded and run on it.
+    // is decoded and run on it (one group at a time on AVX2: two groups' accumulators for four
+    // rows would not fit its sixteen registers).
+    let pairs = !matches!(token.0, Isa::Avx2);
     for b0 in (0..kb).step_by(FP8_DEC_BLOCKS) {
         let b1 = (b0 + FP8_DEC_BLOCKS).min(kb);
         let mut g = 0;
         while g < groups {
-            let gn = if g + 2 <= groups { 2 } else { 1 };
+            let gn = if pairs && g + 2 <= groups { 2 } else { 1 };
             let pair = [group(g), group(g + gn - 1)];
             let gs = &pair[..gn];
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `fp8_decodes` proved the token is AVX-512 (F and BW detected); the groups
-            // share v and kb, hold their weight bytes, `b1 ≤ kb`, and `scratch` holds `need`
-            // values (all checked above).
+            if token.0 == Isa::Avx2 {
+                // SAFETY: `fp8_decodes` and the token prove AVX2, FMA and F16C were detected; the
+                // group holds its weight bytes, `b1 ≤ kb`, and `scratch` holds `need` values
+                // (all checked above); every group's `check(rows)` passed; chunk ci's rows end
+                // at row ≤ rows − 1, so `o` holds (count − 1)·ld + 16 values (`out.len()`
+                // checked above); count ≤ mr = 4.
+                unsafe {
+                    x86::fp8::fp8_decode_avx2(gs, b0, b1, scratch);
+                    for (ci, rows) in chunks.iter().enumerate() {
+                        let o = &mut out[ci * mr * ld + g * GROUP..];
+                        use x86::fp8::fp8_decoded_avx2 as k;
+                        match rows.count {
+                            1 => k::<1>(scratch, gs, b0, b1, rows, o, ld),
+                            2 => k::<2>(scratch, gs, b0, b1, rows, o, ld),
+                            3 => k::<3>(scratch, gs, b0, b1, rows, o, ld),
+                            _ => k::<4>(scratch, gs, b0, b1, rows, o, ld),
+                        }
+                    }
+                }
+                g += gn;
+                continue;
+            }
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `fp8_decodes` proved the token is AVX-512 (F and BW detected) here; the
+            // groups share v and kb, hold their weight bytes, `b1 ≤ kb`, and `scratch` holds
+            // `need` values (all checked above).
             unsafe {
                 x86::fp8::fp8_decode_avx512(gs, b0, b1, scratch)
             };
@@ -594,24 +631,28 @@ pub(crate) fn row_rows(token: IsaToken) -> usize {
     if matches!(token.0, Isa::Avx512 | Isa::Avx512Bf16) { 2 } else { 1 }
 }
 
-/// Whether the decode MXFP8 kernel decodes E4M3 straight into f32 bits
-/// (`x86::fp8::fp8_row_avx512vbmi`) rather than through IEEE halves: where the CPU has VBMI and
-/// takes f32 subnormal operands at full speed, since that decode turns E4M3 subnormal weights
-/// into f32 subnormals. AMD family 1Ah (Zen 5) and later: measured, eight independent FMAs with
-/// a subnormal multiplicand ran at the rate of normal ones, and one-row MXFP8 decode went from
-/// 34.5 to 23.8 µs for Qwen2.5-0.5B's L2-resident weight and (with the weights' prefetch) from
-/// 1.47× to 1.10× a plain read for Llama-3-8B's from DRAM, one core (docs/performance.md).
-/// Intel documents microcode assists for subnormal operands (hundreds of cycles each), and Zen 4
-/// was not measured: both keep the half decode. The same bits either way.
+/// Whether the decode MXFP8 kernels decode E4M3 straight into f32 bits
+/// (`x86::fp8::fp8_row_avx512vbmi` where the CPU has VBMI, `x86::fp8::fp8_row_avx2::<true>`
+/// on AVX2) rather than through IEEE halves: where the CPU takes f32 subnormal operands at full
+/// speed, since that decode turns E4M3 subnormal weights into f32 subnormals. Measured so:
+/// AMD family 1Ah (Zen 5) and later — eight independent FMAs with a subnormal multiplicand ran at
+/// the rate of normal ones, and one-row MXFP8 decode went from 34.5 to 23.8 µs for
+/// Qwen2.5-0.5B's L2-resident weight and (with the weights' prefetch) from 1.47× to 1.10× a
+/// plain read for Llama-3-8B's from DRAM, one core; AMD family 19h without AVX-512 (Zen 3) —
+/// the AVX2 kernel ran a weight of only subnormal codes as fast as one of normal codes, and
+/// one-row MXFP8 decode at 0.50–0.62× the half decode's time (docs/performance.md). Intel
+/// documents microcode assists for subnormal operands (hundreds of cycles each), and Zen 4
+/// (family 19h with AVX-512) and Zen 1/2 were not measured: they keep the half decode. The same
+/// bits either way.
 fn fp8_bits_decode() -> bool {
     #[cfg(target_arch = "x86_64")]
-    return has_vbmi() && is_amd() && cpu_family() >= 0x1A;
+    return is_amd() && (cpu_family() >= 0x1A || is_zen3());
     #[cfg(not(target_arch = "x86_64"))]
     false
 }
 
-/// [`fp8_row`], with the f32-bits decode only when `bits` (and the CPU has VBMI): the tests
-/// reach both AVX-512 kernels on CPUs with VBMI this way, whichever [`fp8_row`] chooses.
+/// [`fp8_row`], with the f32-bits decode only when `bits` (and, on AVX-512, the CPU has VBMI):
+/// the tests reach both kernels of each ISA this way, whichever [`fp8_row`] chooses.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))] // `bits` matters on x86 only
 pub(crate) fn fp8_row_v<const R: usize>(
     token: IsaToken,
@@ -640,8 +681,15 @@ pub(crate) fn fp8_row_v<const R: usize>(
         Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::fp8::fp8_row_avx512::<R>(gs, rows, outer, out) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the token proves AVX2, FMA and F16C were detected; lengths as above; R = 1
-        // (`row_rows`, asserted above).
-        Isa::Avx2 => unsafe { x86::fp8::fp8_row_avx2(gs, rows, outer, out.into_iter().next().expect("one row")) },
+        // (`row_rows`, asserted above); the guard checks the f32-bits kernel's condition on v.
+        Isa::Avx2 if bits && gs[0].v <= 32 => unsafe {
+            x86::fp8::fp8_row_avx2::<true>(gs, rows, outer, out.into_iter().next().expect("one row"))
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe {
+            x86::fp8::fp8_row_avx2::<false>(gs, rows, outer, out.into_iter().next().expect("one row"))
+        },
         _ => {
             if outer.is_some() {
                 return false;

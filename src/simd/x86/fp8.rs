@@ -2,8 +2,9 @@
 //! weight bytes become IEEE half bits `(b << 9) >> 2 | (b << 8) & 0x8000` (= value · 2⁻⁸) in
 //! 16-bit lanes, `vcvtph2ps` widens them, and each row's block sum is a chain of f32 FMAs with the
 //! activation broadcast from memory. The decode (one- and two-row) kernels run four groups at
-//! once for independent chains; on AMD Zen 5 and later the AVX-512 one decodes E4M3 straight
-//! into f32 bits by `vpermb` instead ([`fp8_row_avx512vbmi`]).
+//! once for independent chains; on CPUs that take f32 subnormal operands at full speed (AMD Zen 3,
+//! Zen 5 and later) they decode E4M3 straight into f32 bits instead, by `vpermb` on AVX-512 VBMI
+//! ([`fp8_row_avx512vbmi`]) and `vpshufb` on AVX2 ([`fp8_row_avx2`]).
 
 use crate::simd::fp8::{Fp8Group, Fp8Rows, Outer};
 use crate::simd::{GROUP, MR, ROW_GROUPS};
@@ -171,6 +172,92 @@ pub(crate) unsafe fn fp8_group_avx2<const R: usize>(
     }
 }
 
+/// [`fp8_decode_avx512`] on AVX2: blocks `b0 .. b1` of the groups `gs` (1 or 2, same `v`) into
+/// `dst[(kk − b0·V)·16·G + g·16 + c]` as f32 `w · 2⁻⁸`, by [`fp8_group_avx2`]'s half decode (so
+/// the same values; NaN bytes give some value: their columns are computed exactly).
+///
+/// # Safety
+/// AVX2 and F16C must be available; `g.check(..)` must have passed for every group, `b1 ≤ kb`,
+/// and `dst.len() ≥ (b1 − b0) · V · 16 · gs.len()`.
+#[target_feature(enable = "avx2,f16c")]
+pub(crate) unsafe fn fp8_decode_avx2(gs: &[Fp8Group<'_>], b0: usize, b1: usize, dst: &mut [f32]) {
+    let (v, gn) = (gs[0].v, gs.len());
+    let d = dst.as_mut_ptr();
+    for (gi, g) in gs.iter().enumerate() {
+        for kk in b0 * v..b1 * v {
+            // SAFETY: the 16 weight bytes of k are in w (`check`: w.len() ≥ kb · V · 16 and
+            // kk < b1 · V); row kk − b0·V of dst exists (dst.len() above).
+            unsafe {
+                let (lo, hi) = halves256(_mm256_cvtepu8_epi16(_mm_loadu_si128(g.w.as_ptr().add(kk * GROUP).cast())));
+                let row = d.add(((kk - b0 * v) * gn + gi) * GROUP);
+                _mm256_storeu_ps(row, lo);
+                _mm256_storeu_ps(row.add(8), hi);
+            }
+        }
+        // The next slice's bytes into L2 while the row chunks run on this one (as on AVX-512).
+        let (from, to) = (b1 * v * GROUP, ((2 * b1 - b0) * v * GROUP).min(g.w.len()));
+        for off in (from..to).step_by(64) {
+            // SAFETY: `off < g.w.len()`: the address is inside the group's bytes (a prefetch
+            // never faults anyway).
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(g.w.as_ptr().add(off).cast()) };
+        }
+    }
+}
+
+/// [`fp8_decoded_avx512`] on AVX2, one group (16 columns, two ymm) × R ≤ 4 rows from weights
+/// decoded by [`fp8_decode_avx2`]: per block the chain `bs = fma(a_k, w_k, bs)` in k order, then
+/// `acc = fma(bs, s, acc)` with the accumulator read from and written to `out[r·ld + c]` (0
+/// before block 0) and `s` [`fp8_group_avx2`]'s scale product — the canonical order, so its bits.
+/// Eight independent chains, two FMAs per activation broadcast and no decode in the loop: the
+/// group kernel decodes each weight again for every chunk of four rows.
+///
+/// # Safety
+/// AVX2 and FMA must be available; `gs[0].check(rows)` must have passed, `b1 ≤ kb`, `wd` as
+/// [`fp8_decode_avx2`] fills it for (`gs[..1]`, `b0`, `b1`), and `out.len() ≥ (R − 1) · ld + 16`.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn fp8_decoded_avx2<const R: usize>(
+    wd: &[f32],
+    gs: &[Fp8Group<'_>],
+    b0: usize,
+    b1: usize,
+    rows: &Fp8Rows<'_>,
+    out: &mut [f32],
+    ld: usize,
+) {
+    debug_assert!(rows.count == R && R <= 4 && wd.len() >= (b1 - b0) * gs[0].v * GROUP);
+    debug_assert!(out.len() >= (R - 1) * ld + GROUP);
+    let (g, v) = (&gs[0], gs[0].v);
+    let (wp, op) = (wd.as_ptr(), out.as_mut_ptr());
+    for b in b0..b1 {
+        let mut bs = [[_mm256_setzero_ps(); 2]; R];
+        let wb = (b - b0) * v * GROUP;
+        for kk in 0..v {
+            // SAFETY: row kk of block b's decoded weights is in wd (length above).
+            let (w0, w1) =
+                unsafe { (_mm256_loadu_ps(wp.add(wb + kk * GROUP)), _mm256_loadu_ps(wp.add(wb + kk * GROUP + 8))) };
+            for r in 0..R {
+                // SAFETY: `check` proved a.len() ≥ kb · V > b · V + kk.
+                let a = _mm256_set1_ps(unsafe { at(rows.a[r], b * v + kk) });
+                bs[r][0] = _mm256_fmadd_ps(a, w0, bs[r][0]);
+                bs[r][1] = _mm256_fmadd_ps(a, w1, bs[r][1]);
+            }
+        }
+        for half in 0..2 {
+            // SAFETY: `check` proved ws.len() ≥ kb · 16 > b · 16 + 15.
+            let sb = unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(g.ws.as_ptr().add(b * GROUP + half * 8).cast())) };
+            for r in 0..R {
+                let s = scale256(sb, rows.sc[r][b]);
+                // SAFETY: r · ld + half · 8 + 8 ≤ out.len() (above).
+                unsafe {
+                    let p = op.add(r * ld + half * 8);
+                    let acc = if b == 0 { _mm256_setzero_ps() } else { _mm256_loadu_ps(p) };
+                    _mm256_storeu_ps(p, _mm256_fmadd_ps(bs[r][half], s, acc));
+                }
+            }
+        }
+    }
+}
+
 /// The end of block `b` in the AVX-512 decode kernels: `acc[r][g] = fma(bs[r][g], s, acc[r][g])`
 /// with `s` the E8M0 block-scale product of group g's scale bytes and row r's offset.
 ///
@@ -279,11 +366,18 @@ pub(crate) unsafe fn fp8_row_avx512<const R: usize>(
 /// written once per block), so that the eight chains, the two activations and the decode fit in
 /// the sixteen ymm registers.
 ///
+/// With `BITS` the weights are decoded straight into f32 bits, `w · 2⁻¹²⁰` (`vpshufb`, shift,
+/// AND: three operations per 8 weights instead of the half decode's widening, five bit operations
+/// and a `vcvtph2ps`), against activations taken as `a · 2¹¹²`: the products and FMA chains of
+/// [`fp8_row_avx512vbmi`], so the same bits, for CPUs that take f32 subnormal operands at full
+/// speed (E4M3 subnormal weights become f32 subnormals; [`crate::simd::fp8_row`] chooses).
+/// Measured on AMD Zen 3, one row of Qwen2.5-0.5B's MXFP8 weight: docs/performance.md.
+///
 /// # Safety
 /// AVX2, FMA and F16C must be available; `g.check(rows)` must have passed for every group, all
-/// with the same `v` and `kb`.
+/// with the same `v` and `kb`; with `BITS`, `v ≤ 32`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn fp8_row_avx2(
+pub(crate) unsafe fn fp8_row_avx2<const BITS: bool>(
     gs: &[Fp8Group<'_>; ROW_GROUPS],
     rows: &Fp8Rows<'_>,
     outer: Option<&Outer<'_>>,
@@ -291,6 +385,7 @@ pub(crate) unsafe fn fp8_row_avx2(
 ) {
     const G: usize = ROW_GROUPS;
     let (v, kbs) = (gs[0].v, gs[0].kb);
+    debug_assert!(!BITS || v <= 32);
     let a = rows.a[0];
     let pf = crate::simd::prefetch_weights();
     if pf {
@@ -305,24 +400,61 @@ pub(crate) unsafe fn fp8_row_avx2(
         Some(_) => (&mut part, Some(out)),
         None => (out, None),
     };
+    let keep = _mm256_set1_epi32(0x87F0_0000u32 as i32);
+    // `vpshufb` indices putting byte o + i in the top byte of lane i and zeros below (in-lane: the
+    // high lane indexes its own copy of the 16 bytes).
+    let top = |o: i32| {
+        let l = |i: i32| ((o + i) << 24) | 0x80_8080;
+        _mm256_setr_epi32(l(0), l(1), l(2), l(3), l(4), l(5), l(6), l(7))
+    };
+    let (ix0, ix1) = (top(0), top(8));
+    let mut up = [0f32; 32];
     for b in 0..kbs {
         let mut bs = [[_mm256_setzero_ps(); 2]; G];
-        for kk in (b * v..(b + 1) * v).step_by(2) {
-            // SAFETY: `check` proved a.len() ≥ kb · V > kk + 1.
-            let (a0, a1) = unsafe { (_mm256_set1_ps(at(a, kk)), _mm256_set1_ps(at(a, kk + 1))) };
-            for (g, s) in gs.iter().zip(bs.iter_mut()) {
-                let p = g.w.as_ptr().wrapping_add(kk * GROUP);
-                if pf && kk % 4 == 0 {
-                    super::prefetch_t0(p.wrapping_add(super::fp4::PREFETCH));
+        if BITS {
+            // This block's activations times 2¹¹², where the FMAs broadcast them from.
+            for (u, kk) in up.iter_mut().zip(b * v..(b + 1) * v) {
+                // SAFETY: `check` proved a.len() ≥ kb · V > kk.
+                *u = unsafe { at(a, kk) } * ACT_UP;
+            }
+            for (i, kk) in (b * v..(b + 1) * v).enumerate() {
+                let a0 = _mm256_set1_ps(up[i]);
+                for (g, s) in gs.iter().zip(bs.iter_mut()) {
+                    let p = g.w.as_ptr().wrapping_add(kk * GROUP);
+                    if pf && kk % 4 == 0 {
+                        super::prefetch_t0(p.wrapping_add(super::fp4::PREFETCH));
+                    }
+                    // Weight k, columns 0..8 and 8..16: each byte moved to the top of its f32
+                    // lane (zeros below) and shifted right arithmetically by 4 has the sign in
+                    // bits 31..27 and the magnitude in 26..20; the AND clears 30..27:
+                    // `(b & 0x80) << 24 | (b & 0x7F) << 20`, w · 2⁻¹²⁰. (`vpmovsxbd` then a left
+                    // shift by 20 gives the same bits; measured a little slower on Zen 3.)
+                    // SAFETY: `check` proved g.w.len() ≥ kb · V · 16 ≥ (kk + 1) · 16.
+                    let x = unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(p.cast())) };
+                    let w0 = _mm256_and_si256(_mm256_srai_epi32::<4>(_mm256_shuffle_epi8(x, ix0)), keep);
+                    let w1 = _mm256_and_si256(_mm256_srai_epi32::<4>(_mm256_shuffle_epi8(x, ix1)), keep);
+                    s[0] = _mm256_fmadd_ps(a0, _mm256_castsi256_ps(w0), s[0]);
+                    s[1] = _mm256_fmadd_ps(a0, _mm256_castsi256_ps(w1), s[1]);
                 }
-                // Weights k and k + 1, 16 columns each.
-                // SAFETY: `check` proved g.w.len() ≥ kb · V · 16 ≥ (kk + 2) · 16: both rows are in
-                // bounds.
-                let (x0, x1) = unsafe { (_mm_loadu_si128(p.cast()), _mm_loadu_si128(p.add(GROUP).cast())) };
-                let (w0l, w0h) = halves256(_mm256_cvtepu8_epi16(x0));
-                let (w1l, w1h) = halves256(_mm256_cvtepu8_epi16(x1));
-                s[0] = _mm256_fmadd_ps(a1, w1l, _mm256_fmadd_ps(a0, w0l, s[0]));
-                s[1] = _mm256_fmadd_ps(a1, w1h, _mm256_fmadd_ps(a0, w0h, s[1]));
+            }
+        } else {
+            for kk in (b * v..(b + 1) * v).step_by(2) {
+                // SAFETY: `check` proved a.len() ≥ kb · V > kk + 1.
+                let (a0, a1) = unsafe { (_mm256_set1_ps(at(a, kk)), _mm256_set1_ps(at(a, kk + 1))) };
+                for (g, s) in gs.iter().zip(bs.iter_mut()) {
+                    let p = g.w.as_ptr().wrapping_add(kk * GROUP);
+                    if pf && kk % 4 == 0 {
+                        super::prefetch_t0(p.wrapping_add(super::fp4::PREFETCH));
+                    }
+                    // Weights k and k + 1, 16 columns each.
+                    // SAFETY: `check` proved g.w.len() ≥ kb · V · 16 ≥ (kk + 2) · 16: both rows are
+                    // in bounds.
+                    let (x0, x1) = unsafe { (_mm_loadu_si128(p.cast()), _mm_loadu_si128(p.add(GROUP).cast())) };
+                    let (w0l, w0h) = halves256(_mm256_cvtepu8_epi16(x0));
+                    let (w1l, w1h) = halves256(_mm256_cvtepu8_epi16(x1));
+                    s[0] = _mm256_fmadd_ps(a1, w1l, _mm256_fmadd_ps(a0, w0l, s[0]));
+                    s[1] = _mm256_fmadd_ps(a1, w1h, _mm256_fmadd_ps(a0, w0h, s[1]));
+                }
             }
         }
         for (g, (s, o)) in gs.iter().zip(bs.iter().zip(acc.iter_mut())) {
