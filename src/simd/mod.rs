@@ -540,75 +540,100 @@ pub(crate) fn fp8_tiled<'w>(
     // Slices outermost: a slice of every row's activations stays in L2 while each group pair
     // is decoded and run on it (one group at a time on AVX2: two groups' accumulators for four
     // rows would not fit its sixteen registers).
-    let pairs = !matches!(token.0, Isa::Avx2);
+    let most = if token.0 == Isa::Avx2 { 1 } else { 2 };
     for b0 in (0..kb).step_by(FP8_DEC_BLOCKS) {
         let b1 = (b0 + FP8_DEC_BLOCKS).min(kb);
         let mut g = 0;
         while g < groups {
-            let gn = if pairs && g + 2 <= groups { 2 } else { 1 };
+            let gn = if g + most <= groups { most } else { 1 };
             let pair = [group(g), group(g + gn - 1)];
             let gs = &pair[..gn];
             #[cfg(target_arch = "x86_64")]
-            if token.0 == Isa::Avx2 {
-                // SAFETY: `fp8_decodes` and the token prove AVX2, FMA and F16C were detected; the
-                // group holds its weight bytes, `b1 ≤ kb`, and `scratch` holds `need` values
-                // (all checked above); every group's `check(rows)` passed; chunk ci's rows end
-                // at row ≤ rows − 1, so `o` holds (count − 1)·ld + 16 values (`out.len()`
-                // checked above); count ≤ mr = 4.
-                unsafe {
-                    x86::fp8::fp8_decode_avx2(gs, b0, b1, scratch);
-                    for (ci, rows) in chunks.iter().enumerate() {
-                        let o = &mut out[ci * mr * ld + g * GROUP..];
-                        use x86::fp8::fp8_decoded_avx2 as k;
-                        match rows.count {
-                            1 => k::<1>(scratch, gs, b0, b1, rows, o, ld),
-                            2 => k::<2>(scratch, gs, b0, b1, rows, o, ld),
-                            3 => k::<3>(scratch, gs, b0, b1, rows, o, ld),
-                            _ => k::<4>(scratch, gs, b0, b1, rows, o, ld),
-                        }
-                    }
-                }
-                g += gn;
-                continue;
-            }
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `fp8_decodes` proved the token is AVX-512 (F and BW detected) here; the
-            // groups share v and kb, hold their weight bytes, `b1 ≤ kb`, and `scratch` holds
-            // `need` values (all checked above).
+            // SAFETY: `fp8_decodes` and the token prove the ISA's features were detected; the
+            // groups share v and kb and hold their weight bytes, `b1 ≤ kb`, `scratch` holds
+            // `need` values, every group's `check(rows)` passed (all checked above); chunk ci's
+            // rows end at row ≤ rows − 1, so `o` holds (count − 1)·ld + 16·gn values
+            // (`out.len()` checked above); count ≤ mr; gn ≤ 2, and 1 on AVX2.
             unsafe {
-                x86::fp8::fp8_decode_avx512(gs, b0, b1, scratch)
-            };
-            for (ci, rows) in chunks.iter().enumerate() {
-                let o = &mut out[ci * mr * ld + g * GROUP..];
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: AVX-512 F as above; every group's `check(rows)` passed; `scratch` was
-                // just filled for (gs, b0, b1); chunk ci's rows end at row ≤ rows − 1, so `o`
-                // holds (count − 1)·ld + 16·gn values (`out.len()` checked above).
-                unsafe {
-                    use x86::fp8::fp8_decoded_avx512 as k;
-                    macro_rules! g2 {
-                        ($r:literal) => {
-                            if gn == 2 {
-                                k::<$r, 2>(scratch, gs, b0, b1, rows, o, ld)
-                            } else {
-                                k::<$r, 1>(scratch, gs, b0, b1, rows, o, ld)
-                            }
-                        };
-                    }
-                    match rows.count {
-                        1 => g2!(1),
-                        2 => g2!(2),
-                        3 => g2!(3),
-                        4 => g2!(4),
-                        5 => g2!(5),
-                        6 => g2!(6),
-                        7 => g2!(7),
-                        _ => g2!(8),
-                    }
+                fp8_decode_x86(token, gs, b0, b1, scratch);
+                for (ci, rows) in chunks.iter().enumerate() {
+                    fp8_decoded_x86(token, scratch, gs, b0, b1, rows, &mut out[ci * mr * ld + g * GROUP..], ld);
                 }
             }
             g += gn;
         }
+    }
+}
+
+/// [`fp8_tiled`]'s decode of blocks `b0 .. b1` of the groups `gs` into `scratch`, by `token`'s
+/// ISA (`x86::fp8::fp8_decode_avx2` or `_avx512`).
+///
+/// # Safety
+/// As `fp8_decode_avx2` / `fp8_decode_avx512` require, with [`fp8_decodes`]`(token)`.
+#[cfg(target_arch = "x86_64")]
+unsafe fn fp8_decode_x86(token: IsaToken, gs: &[Fp8Group<'_>], b0: usize, b1: usize, scratch: &mut [f32]) {
+    match token.0 {
+        // SAFETY: the token proves AVX2 and F16C; the rest is the caller's obligation.
+        Isa::Avx2 => unsafe { x86::fp8::fp8_decode_avx2(gs, b0, b1, scratch) },
+        // SAFETY: the token proves AVX-512 F and BW; the rest is the caller's obligation.
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::fp8::fp8_decode_avx512(gs, b0, b1, scratch) },
+        _ => unreachable!("no tiled MXFP8 kernel on {:?}", token.0),
+    }
+}
+
+/// [`fp8_tiled`]'s run of one chunk of rows on the weights [`fp8_decode_x86`] decoded into `wd`,
+/// by `token`'s ISA (`x86::fp8::fp8_decoded_avx2` for one group, `_avx512` for one or two).
+///
+/// # Safety
+/// As `fp8_decoded_avx2` / `fp8_decoded_avx512` require (R = `rows.count` ≤ [`fp4_mr`], G =
+/// `gs.len()`, one group on AVX2), with [`fp8_decodes`]`(token)`.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn fp8_decoded_x86(
+    token: IsaToken,
+    wd: &[f32],
+    gs: &[Fp8Group<'_>],
+    b0: usize,
+    b1: usize,
+    rows: &Fp8Rows<'_>,
+    o: &mut [f32],
+    ld: usize,
+) {
+    use x86::fp8::{fp8_decoded_avx2 as k2, fp8_decoded_avx512 as k5};
+    // `$k!(R)` for R = rows.count (at most `$last`).
+    macro_rules! by_count {
+        ($k:ident, [$($r:literal)*], $last:literal) => {
+            match rows.count {
+                $($r => $k!($r),)*
+                _ => $k!($last),
+            }
+        };
+    }
+    macro_rules! avx2 {
+        ($r:literal) => {
+            k2::<$r>(wd, gs, b0, b1, rows, o, ld)
+        };
+    }
+    macro_rules! avx512_1 {
+        ($r:literal) => {
+            k5::<$r, 1>(wd, gs, b0, b1, rows, o, ld)
+        };
+    }
+    macro_rules! avx512_2 {
+        ($r:literal) => {
+            k5::<$r, 2>(wd, gs, b0, b1, rows, o, ld)
+        };
+    }
+    match (token.0, gs.len()) {
+        // SAFETY: the token proves AVX2 and FMA; R = rows.count (the caller guarantees ≤ mr = 4)
+        // and one group; the rest is the caller's obligation.
+        (Isa::Avx2, _) => unsafe { by_count!(avx2, [1 2 3], 4) },
+        // SAFETY: the token proves AVX-512 F; R = rows.count (the caller guarantees ≤ mr = 8),
+        // G = gs.len() = 2; the rest is the caller's obligation.
+        (Isa::Avx512 | Isa::Avx512Bf16, 2) => unsafe { by_count!(avx512_2, [1 2 3 4 5 6 7], 8) },
+        // SAFETY: as above, G = gs.len() = 1 (the caller's groups number 1 or 2).
+        (Isa::Avx512 | Isa::Avx512Bf16, _) => unsafe { by_count!(avx512_1, [1 2 3 4 5 6 7], 8) },
+        _ => unreachable!("no tiled MXFP8 kernel on {:?}", token.0),
     }
 }
 

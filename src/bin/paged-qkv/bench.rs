@@ -335,7 +335,7 @@ pub(crate) fn decode_step(
     // one token after 100 µs of work on the calling thread alone, against the same call back to
     // back (rayon parks idle threads after a few dozen yields; a `Workers` team spins 200 µs).
     for dt in [DtypeArg::Nvfp4, DtypeArg::Bf16] {
-        let (packed, name, _) = Packed::new(dt, m)?;
+        let (packed, name, bytes) = Packed::new(dt, m)?;
         let mut call = packed.call(m, 1, 1, 2);
         let mut c = BenchCache::new(m, 1, 1, 1, 1, position);
         let mut row = Vec::new();
@@ -359,6 +359,14 @@ pub(crate) fn decode_step(
             })
             .collect();
         outln!("  one {name} layer, one token, back to back → after 100 µs of other work: {}", cells.join(", "));
+        // What the same threads take to read the layer's bytes back to back (from whichever cache
+        // holds them): the ceiling of the back-to-back figures' scaling.
+        let junk = vec![1u8; bytes];
+        let reads: Vec<String> = counts
+            .iter()
+            .map(|&t| pool(t).map(|p| format!("{t}t {:.1} µs", p.install(|| time(&mut || read_bytes(&junk))) * 1e6)))
+            .collect::<Result<_, _>>()?;
+        outln!("    a plain read of the layer's {:.2} MB back to back: {}", bytes as f64 / 1e6, reads.join(", "));
     }
     for &dt in dtypes {
         let pb = progress("packing", None);

@@ -80,6 +80,55 @@ fn scale256(sb: __m256i, sc: u32) -> __m256 {
     )
 }
 
+/// Block `b`'s weight-scale bytes of columns `half · 8 .. half · 8 + 8`, widened to i32 (the `sb`
+/// of [`scale256`]).
+///
+/// # Safety
+/// AVX2 must be available; `half < 2` and `(b + 1) · 16 ≤ g.ws.len()` (`check` proves it for
+/// every b < kb).
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn scale_bytes256(g: &Fp8Group<'_>, b: usize, half: usize) -> __m256i {
+    debug_assert!(half < 2 && (b + 1) * GROUP <= g.ws.len());
+    // SAFETY: the caller guarantees block b's 16 scale bytes; half · 8 + 8 ≤ 16.
+    unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(g.ws.as_ptr().add(b * GROUP + half * 8).cast())) }
+}
+
+/// The end of block `b` for one row of an AVX2 kernel on one group (16 columns, two halves):
+/// `acc[half · 8 + c] = fma(bs[half][c], s, acc[half · 8 + c])`, `s` the E8M0 block-scale
+/// product of the group's scale bytes and the row's offset `sc` ([`scale256`]); `acc` is taken as
+/// 0 where `first`.
+///
+/// # Safety
+/// AVX2 and FMA must be available; `(b + 1) · 16 ≤ g.ws.len()`; `acc` is valid for reads and
+/// writes of 16 f32.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn block_end256(g: &Fp8Group<'_>, b: usize, sc: u32, bs: &[__m256; 2], acc: *mut f32, first: bool) {
+    for (half, h) in bs.iter().enumerate() {
+        // SAFETY: the caller guarantees block b's scale bytes and 16 f32 at `acc`.
+        unsafe {
+            let s = scale256(scale_bytes256(g, b, half), sc);
+            let p = acc.add(half * 8);
+            let a = if first { _mm256_setzero_ps() } else { _mm256_loadu_ps(p) };
+            _mm256_storeu_ps(p, _mm256_fmadd_ps(*h, s, a));
+        }
+    }
+}
+
+/// Prefetches into L2 the weight bytes of the slice after blocks `b0 .. b1` of `g` (as many
+/// blocks again, up to the group's end), for the tiled kernels' decode: the next slice's bytes
+/// arrive while the row chunks run on this one.
+#[inline(always)]
+fn prefetch_next_slice(g: &Fp8Group<'_>, b0: usize, b1: usize) {
+    let (from, to) = (b1 * g.v * GROUP, ((2 * b1 - b0) * g.v * GROUP).min(g.w.len()));
+    for off in (from..to).step_by(64) {
+        // SAFETY: `off < g.w.len()`: the address is inside the group's bytes (a prefetch never
+        // faults anyway); SSE is part of x86_64.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(g.w.as_ptr().add(off).cast()) };
+    }
+}
+
 /// # Safety
 /// AVX-512 F and BW must be available; `g.check(rows)` must have passed.
 #[target_feature(enable = "avx512f,avx512bw")]
@@ -156,8 +205,8 @@ pub(crate) unsafe fn fp8_group_avx2<const R: usize>(
                     bs[r] = _mm256_fmadd_ps(_mm256_set1_ps(a1), w1, _mm256_fmadd_ps(_mm256_set1_ps(a0), w0, bs[r]));
                 }
             }
-            // SAFETY: `check` proved ws.len() ≥ kb · 16.
-            let sb = unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(g.ws.as_ptr().add(b * GROUP + half * 8).cast())) };
+            // SAFETY: `check` proved ws.len() ≥ kb · 16 > b · 16 + 15.
+            let sb = unsafe { scale_bytes256(g, b, half) };
             for r in 0..R {
                 let s = scale256(sb, rows.sc[r][b]);
                 acc[r] = _mm256_fmadd_ps(bs[r], s, acc[r]);
@@ -194,13 +243,8 @@ pub(crate) unsafe fn fp8_decode_avx2(gs: &[Fp8Group<'_>], b0: usize, b1: usize, 
                 _mm256_storeu_ps(row.add(8), hi);
             }
         }
-        // The next slice's bytes into L2 while the row chunks run on this one (as on AVX-512).
-        let (from, to) = (b1 * v * GROUP, ((2 * b1 - b0) * v * GROUP).min(g.w.len()));
-        for off in (from..to).step_by(64) {
-            // SAFETY: `off < g.w.len()`: the address is inside the group's bytes (a prefetch
-            // never faults anyway).
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(g.w.as_ptr().add(off).cast()) };
-        }
+        // As on AVX-512.
+        prefetch_next_slice(g, b0, b1);
     }
 }
 
@@ -242,18 +286,10 @@ pub(crate) unsafe fn fp8_decoded_avx2<const R: usize>(
                 bs[r][1] = _mm256_fmadd_ps(a, w1, bs[r][1]);
             }
         }
-        for half in 0..2 {
-            // SAFETY: `check` proved ws.len() ≥ kb · 16 > b · 16 + 15.
-            let sb = unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(g.ws.as_ptr().add(b * GROUP + half * 8).cast())) };
-            for r in 0..R {
-                let s = scale256(sb, rows.sc[r][b]);
-                // SAFETY: r · ld + half · 8 + 8 ≤ out.len() (above).
-                unsafe {
-                    let p = op.add(r * ld + half * 8);
-                    let acc = if b == 0 { _mm256_setzero_ps() } else { _mm256_loadu_ps(p) };
-                    _mm256_storeu_ps(p, _mm256_fmadd_ps(bs[r][half], s, acc));
-                }
-            }
+        for (r, br) in bs.iter().enumerate() {
+            // SAFETY: `check` proved ws.len() ≥ kb · 16 > b · 16 + 15; r · ld + 16 ≤ out.len()
+            // (above).
+            unsafe { block_end256(g, b, rows.sc[r][b], br, op.add(r * ld), b == 0) };
         }
     }
 }
@@ -458,15 +494,9 @@ pub(crate) unsafe fn fp8_row_avx2<const BITS: bool>(
             }
         }
         for (g, (s, o)) in gs.iter().zip(bs.iter().zip(acc.iter_mut())) {
-            for (half, sh) in s.iter().enumerate() {
-                // SAFETY: `check` proved ws.len() ≥ kb · 16.
-                let sb =
-                    unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(g.ws.as_ptr().add(b * GROUP + half * 8).cast())) };
-                let sc = scale256(sb, rows.sc[0][b]);
-                let dst = &mut o[half * 8..half * 8 + 8];
-                // SAFETY: dst holds 8 f32.
-                unsafe { _mm256_storeu_ps(dst.as_mut_ptr(), _mm256_fmadd_ps(*sh, sc, _mm256_loadu_ps(dst.as_ptr()))) };
-            }
+            // SAFETY: `check` proved ws.len() ≥ kb · 16 > b · 16 + 15; o holds 16 f32 (zeroed
+            // before block 0).
+            unsafe { block_end256(g, b, rows.sc[0][b], s, o.as_mut_ptr(), false) };
         }
         if let (Some(o), Some(t)) = (outer, total.as_deref_mut())
             && let Some(j) = o.at_end(b, kbs)
@@ -587,14 +617,9 @@ pub(crate) unsafe fn fp8_decode_avx512(gs: &[Fp8Group<'_>], b0: usize, b1: usize
                 _mm512_storeu_ps(row.add(gn * GROUP), w1);
             }
         }
-        // The next slice's bytes into L2 while the row chunks run on this one (the loads above
-        // waited on L3: measured, this decode was 17 % of the tile kernel's time without it).
-        let (from, to) = (b1 * v * GROUP, ((2 * b1 - b0) * v * GROUP).min(g.w.len()));
-        for off in (from..to).step_by(64) {
-            // SAFETY: `off < g.w.len()`: the address is inside the group's bytes (a prefetch
-            // never faults anyway).
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(g.w.as_ptr().add(off).cast()) };
-        }
+        // The loads above waited on L3 without this: measured, this decode was 17 % of the tile
+        // kernel's time.
+        prefetch_next_slice(g, b0, b1);
     }
 }
 
