@@ -95,21 +95,31 @@ unsafe fn scale_bytes256(g: &Fp8Group<'_>, b: usize, half: usize) -> __m256i {
     unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(g.ws.as_ptr().add(b * GROUP + half * 8).cast())) }
 }
 
-/// The end of block `b` for one row of an AVX2 kernel on one group (16 columns, two halves):
-/// `acc[half · 8 + c] = fma(bs[half][c], s, acc[half · 8 + c])`, `s` the E8M0 block-scale
-/// product of the group's scale bytes and the row's offset `sc` ([`scale256`]); `acc` is taken as
-/// 0 where `first`.
+/// Both halves of block `b`'s weight-scale bytes ([`scale_bytes256`]).
 ///
 /// # Safety
-/// AVX2 and FMA must be available; `(b + 1) · 16 ≤ g.ws.len()`; `acc` is valid for reads and
-/// writes of 16 f32.
+/// As [`scale_bytes256`].
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn scale_bytes256x2(g: &Fp8Group<'_>, b: usize) -> [__m256i; 2] {
+    // SAFETY: the caller's obligation, for both halves.
+    unsafe { [scale_bytes256(g, b, 0), scale_bytes256(g, b, 1)] }
+}
+
+/// The end of a block for one row of an AVX2 kernel on one group (16 columns, two halves):
+/// `acc[half · 8 + c] = fma(bs[half][c], s, acc[half · 8 + c])`, `s` the E8M0 block-scale
+/// product of the group's scale bytes `sb` ([`scale_bytes256x2`]) and the row's offset `sc`
+/// ([`scale256`]); `acc` is taken as 0 where `first`.
+///
+/// # Safety
+/// AVX2 and FMA must be available; `acc` is valid for reads and writes of 16 f32.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn block_end256(g: &Fp8Group<'_>, b: usize, sc: u32, bs: &[__m256; 2], acc: *mut f32, first: bool) {
-    for (half, h) in bs.iter().enumerate() {
-        // SAFETY: the caller guarantees block b's scale bytes and 16 f32 at `acc`.
+unsafe fn block_end256(sb: &[__m256i; 2], sc: u32, bs: &[__m256; 2], acc: *mut f32, first: bool) {
+    for (half, (h, sb)) in bs.iter().zip(sb).enumerate() {
+        // SAFETY: the caller guarantees 16 f32 at `acc`.
         unsafe {
-            let s = scale256(scale_bytes256(g, b, half), sc);
+            let s = scale256(*sb, sc);
             let p = acc.add(half * 8);
             let a = if first { _mm256_setzero_ps() } else { _mm256_loadu_ps(p) };
             _mm256_storeu_ps(p, _mm256_fmadd_ps(*h, s, a));
@@ -287,10 +297,11 @@ pub(crate) unsafe fn fp8_decoded_avx2<const R: usize>(
                 bs[r][1] = _mm256_fmadd_ps(a, w1, bs[r][1]);
             }
         }
+        // SAFETY: `check` proved ws.len() ≥ kb · 16 > b · 16 + 15.
+        let sb = unsafe { scale_bytes256x2(g, b) };
         for (r, br) in bs.iter().enumerate() {
-            // SAFETY: `check` proved ws.len() ≥ kb · 16 > b · 16 + 15; r · ld + 16 ≤ out.len()
-            // (above).
-            unsafe { block_end256(g, b, rows.sc[r][b], br, op.add(r * ld), b == 0) };
+            // SAFETY: r · ld + 16 ≤ out.len() (above).
+            unsafe { block_end256(&sb, rows.sc[r][b], br, op.add(r * ld), b == 0) };
         }
     }
 }
@@ -453,11 +464,7 @@ pub(crate) unsafe fn fp8_row_avx2<const BITS: bool>(
     // (docs/performance.md).
     let (wrun, srun) = (RunOn::new(gs.each_ref().map(|g| g.w)), RunOn::new(gs.each_ref().map(|g| g.ws)));
     if pf {
-        for g in gs {
-            for off in (0..SCALES_AHEAD).step_by(64) {
-                super::prefetch_t0(g.ws.as_ptr().wrapping_add(off));
-            }
-        }
+        super::prefetch_heads(gs.each_ref().map(|g| g.ws), SCALES_AHEAD);
     }
     let mut up = [0f32; 32];
     for b in 0..kbs {
@@ -516,7 +523,7 @@ pub(crate) unsafe fn fp8_row_avx2<const BITS: bool>(
         for (g, (s, o)) in gs.iter().zip(bs.iter().zip(acc.iter_mut())) {
             // SAFETY: `check` proved ws.len() ≥ kb · 16 > b · 16 + 15; o holds 16 f32 (zeroed
             // before block 0).
-            unsafe { block_end256(g, b, rows.sc[0][b], s, o.as_mut_ptr(), false) };
+            unsafe { block_end256(&scale_bytes256x2(g, b), rows.sc[0][b], s, o.as_mut_ptr(), false) };
         }
         if let (Some(o), Some(t)) = (outer, total.as_deref_mut())
             && let Some(j) = o.at_end(b, kbs)

@@ -67,8 +67,14 @@ pub(super) const SCALES_AHEAD: usize = 256;
 /// 30–32 µs against the one-group kernel's 28–29; with this 28–29).
 #[inline(always)]
 fn prefetch_starts<const N: usize>(streams: [&[u8]; N]) {
+    prefetch_heads(streams, fp4::PREFETCH);
+}
+
+/// The first `bytes` of each stream (T0): [`prefetch_starts`] for any head length.
+#[inline(always)]
+fn prefetch_heads<const N: usize>(streams: [&[u8]; N], bytes: usize) {
     for w in streams {
-        for off in (0..fp4::PREFETCH).step_by(64) {
+        for off in (0..bytes).step_by(64) {
             prefetch_t0(w.as_ptr().wrapping_add(off));
         }
     }
