@@ -71,10 +71,11 @@ fn every_op_runs_and_checks_against_itself() {
     }
 }
 
-/// `make-case --kv-quant G` makes a case with an FP8-quantized cache (F8_E4M3 codes, F32
-/// `kv_scales` of granularity G) for every op: it runs (fast and exact) and checks against itself,
-/// the report judging the values code × scale; a granularity that does not divide the head size is
-/// a one-line error naming `kv_scales`.
+/// `make-case --kv-quant G` makes a case with an FP8-quantized cache (E4M3 codes as U8, or
+/// F8_E4M3 with `--f8-dtypes`; F32 `kv_scales` of granularity G) for every op: it runs (fast and
+/// exact, `kv_blocks` written back in the case's dtype) and checks against itself, the report
+/// judging the values code × scale, whichever dtype each side gives the codes in; a granularity
+/// that does not divide the head size, and U8 codes without `kv_scales`, are one-line errors.
 #[test]
 fn quantized_cases_from_make_case() {
     let d = dir("kvquant");
@@ -84,19 +85,45 @@ fn quantized_cases_from_make_case() {
         assert!(o.status.success(), "{op}: {}", String::from_utf8_lossy(&o.stderr));
         let case = Case::from_bytes(&std::fs::read(&c).unwrap()).unwrap();
         let (kv, sc) = (&case.tensors["kv_blocks"], &case.tensors["kv_scales"]);
-        assert_eq!((kv.dtype, sc.dtype), (Dtype::F8E4M3, Dtype::F32), "{op}");
+        assert_eq!((kv.dtype, sc.dtype), (Dtype::U8, Dtype::F32), "{op}");
         assert_eq!(sc.shape[..5], kv.shape[..5]);
         assert_eq!(sc.shape[5] * 8, kv.shape[5]);
+        // The same case with F8_E4M3 codes (`--f8-dtypes`): the same bytes.
+        let c8 = d.join(format!("{op}-q8.safetensors"));
+        let o = run(&["make-case", "--op", op, "--kv-quant", "8", "--seed", "3", "--f8-dtypes", "-o", p(&c8)]);
+        assert!(o.status.success(), "{op}: {}", String::from_utf8_lossy(&o.stderr));
+        let kv8 = &Case::from_bytes(&std::fs::read(&c8).unwrap()).unwrap().tensors["kv_blocks"];
+        assert_eq!((kv8.dtype, &kv8.data), (Dtype::F8E4M3, &kv.data), "{op}");
         let out = d.join(format!("{op}-q-out.safetensors"));
+        let out8 = d.join(format!("{op}-q8-out.safetensors"));
         for (mode, ulps) in [("fast", "2"), ("exact", "0")] {
-            let o = run(&["run", p(&c), "-o", p(&out), "--mode", mode]);
-            assert!(o.status.success(), "{op}: {}", String::from_utf8_lossy(&o.stderr));
-            let o = run(&["check", p(&c), "--actual", p(&out), "--ulps", ulps]);
-            let text = String::from_utf8_lossy(&o.stdout);
-            assert_eq!(o.status.code(), Some(0), "{op} {mode}: {text}");
-            assert!(text.contains("kv_values:") && text.contains("verdict: PASS"), "{text}");
+            for (case, o) in [(&c, &out), (&c8, &out8)] {
+                let r = run(&["run", p(case), "-o", p(o), "--mode", mode]);
+                assert!(r.status.success(), "{op}: {}", String::from_utf8_lossy(&r.stderr));
+            }
+            let written =
+                |o: &Path| case::load_tensors(&std::fs::read(o).unwrap()).unwrap().remove("kv_blocks").unwrap();
+            let (w, w8) = (written(&out), written(&out8));
+            assert_eq!((w.dtype, w8.dtype), (Dtype::U8, Dtype::F8E4M3), "{op} {mode}");
+            assert_eq!(w.data, w8.data, "{op} {mode}");
+            // Each case checked against the results in its own dtype and in the other.
+            for (case, o) in [(&c, &out), (&c, &out8), (&c8, &out), (&c8, &out8)] {
+                let r = run(&["check", p(case), "--actual", p(o), "--ulps", ulps]);
+                let text = String::from_utf8_lossy(&r.stdout);
+                assert_eq!(r.status.code(), Some(0), "{op} {mode}: {text}");
+                assert!(text.contains("kv_values:") && text.contains("verdict: PASS"), "{text}");
+            }
         }
     }
+    // U8 codes without `kv_scales` are not a cache of values.
+    let c = d.join("rope_ragged-q.safetensors");
+    let mut case = Case::from_bytes(&std::fs::read(&c).unwrap()).unwrap();
+    case.tensors.remove("kv_scales");
+    std::fs::write(&c, case.to_bytes().unwrap()).unwrap();
+    let o = run(&["run", p(&c), "-o", p(&d.join("bad-out"))]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("`kv_blocks`: U8") && err.contains("kv_scales") && err.lines().count() == 1, "{err}");
     let o = run(&["make-case", "--op", "rope_ragged", "--kv-quant", "3", "-o", p(&d.join("bad"))]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");

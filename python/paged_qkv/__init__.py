@@ -111,10 +111,13 @@ def _wire_dtype(a: np.ndarray, kind: Optional[str]) -> str:
 _VALUE_TENSORS = ("kv_blocks", "output")
 
 
-def _to_wire(name: str, a: Any, kind: Optional[str] = None) -> Tuple[str, str, list, np.ndarray]:
+def _to_wire(
+    name: str, a: Any, kind: Optional[str] = None, codes: bool = False
+) -> Tuple[str, str, list, np.ndarray]:
+    """``codes``: a float8 ``kv_blocks`` goes as U8 (a quantized cache's codes in a file)."""
     a = np.asarray(a)
     dtype = _wire_dtype(a, kind)
-    if dtype == "U8" and name in _VALUE_TENSORS and a.dtype.name.startswith("float8_e4m3"):
+    if dtype == "U8" and name in _VALUE_TENSORS and a.dtype.name.startswith("float8_e4m3") and not codes:
         dtype = "F8_E4M3"
     if dtype == "U32":
         if a.size and (a.min() < 0 or a.max() > 0xFFFFFFFF):
@@ -155,12 +158,15 @@ class Case:
         self.tensors: Dict[str, np.ndarray] = dict(tensors)
         self.meta: Dict[str, str] = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in (meta or {}).items()}
 
-    def _wire(self):
-        return [_to_wire(k, v) for k, v in self.tensors.items()]
+    def _wire(self, file: bool = False):
+        # In a file, a quantized cache's codes (the case has ``kv_scales``) go as U8.
+        codes = file and "kv_scales" in self.tensors
+        return [_to_wire(k, v, codes=codes) for k, v in self.tensors.items()]
 
     def to_bytes(self) -> bytes:
-        """The safetensors bytes (FP8 and scales as U8: readable by ``safetensors.numpy``)."""
-        return _native.case_to_bytes(self.op, self.meta, self._wire())
+        """The safetensors bytes (FP8 and scales as U8, a quantized cache's codes included:
+        readable by ``safetensors.numpy``)."""
+        return _native.case_to_bytes(self.op, self.meta, self._wire(file=True))
 
     def run(self, mode: str = "exact", threads: Optional[int] = None) -> Dict[str, np.ndarray]:
         """Runs the case: ``{"output": …, "kv_blocks": …}`` (no ``output`` for the KV stores;
@@ -175,10 +181,21 @@ class Case:
 
 
 def load_case(source: Union[str, os.PathLike, bytes]) -> Case:
-    """Reads a case file (a path or its bytes). Scales and FP8 data may be U8, F8_E4M3 or F8_E8M0."""
+    """Reads a case file (a path or its bytes). Scales and FP8 data may be U8, F8_E4M3 or F8_E8M0;
+    a quantized cache's codes come back as ``float8_e4m3fn`` where ml_dtypes is installed."""
     data = source if isinstance(source, (bytes, bytearray)) else open(source, "rb").read()
     op, meta, tensors = _native.case_from_bytes(bytes(data))
-    return Case(op, {name: _from_wire(d, s, b) for (name, d, s, b) in tensors}, meta)
+    return Case(op, _case_tensors(tensors), meta)
+
+
+def _case_tensors(tensors) -> Dict[str, np.ndarray]:
+    """A case's arrays from the wire; a quantized cache's U8 codes (the case has ``kv_scales``)
+    as ``float8_e4m3fn`` where ml_dtypes is installed."""
+    t = {name: _from_wire(d, s, b) for (name, d, s, b) in tensors}
+    kv = t.get("kv_blocks")
+    if _ml and kv is not None and "kv_scales" in t and kv.dtype == np.uint8:
+        t["kv_blocks"] = kv.view(_ml.float8_e4m3fn)
+    return t
 
 
 def save_case(path: Union[str, os.PathLike], case: Case) -> None:
@@ -202,7 +219,7 @@ def make_case(
     codes in ``kv_blocks`` and float32 ``kv_scales``, one scale per ``g`` elements of a head
     (MAX's default 128; ``g`` divides the head size)."""
     op_, meta, tensors = _native.make_case(op, model, batch, seed, format, granularity, kv_quant)
-    return Case(op_, {name: _from_wire(d, s, b) for (name, d, s, b) in tensors}, meta)
+    return Case(op_, _case_tensors(tensors), meta)
 
 
 def check(

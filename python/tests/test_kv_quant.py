@@ -201,3 +201,28 @@ def test_make_case_with_a_quantized_cache(op):
     assert "kv_values" in pq.check(case, got).text
     with pytest.raises(ValueError, match="kv_scales"):
         pq.make_case(op, kv_quant=3)
+
+
+def test_quantized_case_files_load_in_safetensors_numpy(tmp_path):
+    """A saved quantized case holds its codes as U8 (``safetensors.numpy`` loads it; numpy has no
+    float8); ``load_case`` gives them back as float8_e4m3fn; a case or a kernel's results with
+    ``uint8`` codes run and check as well, ``run`` returning the codes in the case's dtype."""
+    st = pytest.importorskip("safetensors.numpy")
+    case = pq.make_case("rope_ragged", model="tiny", kv_quant=8, seed=5)
+    path = tmp_path / "q.safetensors"
+    pq.save_case(path, case)
+    raw = st.load_file(str(path))
+    assert raw["kv_blocks"].dtype == np.uint8 and raw["kv_scales"].dtype == np.float32
+    assert bytes(raw["kv_blocks"]) == bytes(np.asarray(case.tensors["kv_blocks"]).view(np.uint8))
+    back = pq.load_case(path)
+    assert back.tensors["kv_blocks"].dtype == E4M3
+    want = back.run("exact")
+    u8 = pq.Case(case.op, dict(case.tensors, kv_blocks=raw["kv_blocks"]), case.meta)
+    got = u8.run("fast")
+    assert got["kv_blocks"].dtype == np.uint8 and want["kv_blocks"].dtype == E4M3
+    assert bytes(got["kv_blocks"]) == bytes(want["kv_blocks"].view(np.uint8))
+    for c, actual in [(u8, want), (back, got), (u8, got)]:
+        pq.check(c, actual, ulps=0).assert_ok()
+    no_scales = pq.Case(case.op, {k: v for k, v in u8.tensors.items() if k != "kv_scales"}, case.meta)
+    with pytest.raises(ValueError, match="kv_blocks.*U8.*kv_scales"):
+        no_scales.run("exact")

@@ -2,6 +2,7 @@
 //! the report.
 
 use super::*;
+use std::borrow::Cow;
 
 impl Case {
     /// Which elements of `output` and of `kv_blocks` the op writes and [`check()`] compares, under
@@ -230,10 +231,19 @@ pub fn check_with(
     if let Some(ro) = ref_out {
         pairs.push(("output", actual.get("output").ok_or_else(|| missing("output"))?, ro, &out_mask, None));
     }
-    let got = actual.get("kv_blocks").ok_or_else(|| missing("kv_blocks"))?;
-    pairs.push(("kv_blocks", got, ref_kv, &kv_mask, Some(case.tensor("kv_blocks")?)));
-    let g = kv_mask.len().checked_div(scales_mask.len()).unwrap_or(1);
     let quantized = refs.contains_key("kv_scales");
+    // A quantized cache's codes compare as E4M3 whether each side has them as U8 or F8_E4M3.
+    fn codes(t: &Tensor, quantized: bool) -> Cow<'_, Tensor> {
+        match t.dtype {
+            Dtype::U8 if quantized => Cow::Owned(Tensor { dtype: Dtype::F8E4M3, ..t.clone() }),
+            _ => Cow::Borrowed(t),
+        }
+    }
+    let got_kv = codes(actual.get("kv_blocks").ok_or_else(|| missing("kv_blocks"))?, quantized);
+    let in_kv = codes(case.tensor("kv_blocks")?, quantized);
+    let ref_kv = codes(&ref_kv, quantized).into_owned();
+    pairs.push(("kv_blocks", &got_kv, ref_kv, &kv_mask, Some(&in_kv)));
+    let g = kv_mask.len().checked_div(scales_mask.len()).unwrap_or(1);
     if let Some(rs) = refs.remove("kv_scales") {
         let got = actual.get("kv_scales").ok_or_else(|| missing("kv_scales"))?;
         pairs.push(("kv_scales", got, rs, &scales_mask, Some(case.tensor("kv_scales")?)));

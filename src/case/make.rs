@@ -65,7 +65,7 @@ pub struct MakeOptions {
     pub f8_dtypes: bool,
     /// Make the cache FP8-quantized ([semantics §3.1](crate::semantics)) with one f32 scale per
     /// this many elements of a head (MAX's default: 128; at least 2, dividing the head size):
-    /// `kv_blocks` holds E4M3 codes (`F8_E4M3`, the dtype that makes a case's cache quantized),
+    /// `kv_blocks` holds E4M3 codes (`U8`, or `F8_E4M3` with [`f8_dtypes`](Self::f8_dtypes)),
     /// `kv_scales` the scales, each group of the random cache quantized as the ops quantize what
     /// they write.
     pub kv_quant: Option<usize>,
@@ -152,8 +152,10 @@ fn make_case(
         }
         Some(g) => {
             let (codes, scales) = quantize_cache(&kv, shape, g)?;
-            // F8_E4M3 whatever `f8_dtypes` says: the reader takes a cache's dtype from `kv_blocks`.
-            t.insert("kv_blocks".to_string(), Tensor::from_bytes(Dtype::F8E4M3, shape.dims().to_vec(), codes));
+            // The codes as U8 (what `safetensors.numpy` loads) or F8_E4M3, as `f8_dtypes` says:
+            // `kv_scales` is what makes the cache quantized.
+            let d = if opts.f8_dtypes { Dtype::F8E4M3 } else { Dtype::U8 };
+            t.insert("kv_blocks".to_string(), Tensor::from_bytes(d, shape.dims().to_vec(), codes));
             t.insert("kv_scales".to_string(), Tensor::from_elements(scales.dims().to_vec(), scales.data()));
         }
     }

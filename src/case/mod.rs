@@ -15,12 +15,13 @@
 //!   `kv_lookup_table` (U32 `[batch, cols]`), `valid_lengths` (U32), `q_proj`, `freqs_cis`,
 //!   `position_ids` (U32), `output` (the pre-allocated output; its shape gives q_dim; rows the op
 //!   does not write keep their contents).
-//! * A quantized cache (semantics §3.1): `kv_blocks` of F8_E4M3 codes and `kv_scales`, F32
+//! * A quantized cache (semantics §3.1): `kv_blocks` of E4M3 codes (U8 or F8_E4M3) and `kv_scales`, F32
 //!   `[num_blocks, kv_dim, num_layers, page_size, num_kv_heads, head_size / g]` (the granularity
 //!   `g` from its last dimension); both are written by the op, returned by `run` and compared by
 //!   `check`, which judges the cache by its values, code × scale (`kv_values` in the report).
 //! * Dtypes: packed FP4 as U8 `[rows, K/2]` or F4 `[rows, K]`; E4M3 as F8_E4M3 or U8; E8M0 as
-//!   F8_E8M0 or U8; BF16, F16, F32 (and F8_E4M3 for `kv_blocks`); U32 for indices.
+//!   F8_E8M0 or U8; BF16, F16, F32 for values (`kv_blocks` also F8_E4M3, or U8 codes with
+//!   `kv_scales`); U32 for indices.
 //!
 //! Every problem is a one-line [`CaseError`] naming the tensor, the expected and the found
 //! shape or dtype; nothing panics on malformed files.

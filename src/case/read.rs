@@ -131,8 +131,23 @@ impl Case {
         Ok(Some((decode::<f32>(&t.data), g)))
     }
 
+    /// The cache's shape and dtype. A quantized cache's E4M3 codes may come as `U8` (what
+    /// `safetensors.numpy` loads and `make-case` writes) or `F8_E4M3`; `U8` codes need
+    /// `kv_scales`, which is what makes them a quantized cache.
     pub(super) fn cache_shape(&self) -> Result<(CacheShape, DType)> {
-        let (d, shape) = self.float_info("kv_blocks", Some(6))?;
+        let (d, shape) = match self.tensor("kv_blocks")? {
+            t if t.dtype == Dtype::U8 => {
+                if !self.tensors.contains_key("kv_scales") {
+                    return err("`kv_blocks`: U8 is a quantized cache's E4M3 codes and needs `kv_scales` \
+                         (a cache of values is BF16, F16, F32 or F8_E4M3)");
+                }
+                if t.shape.len() != 6 {
+                    return err(format!("`kv_blocks`: expected rank 6, found shape {}", dims(&t.shape)));
+                }
+                (DType::F8E4M3, &t.shape[..])
+            }
+            _ => self.float_info("kv_blocks", Some(6))?,
+        };
         let s = CacheShape::from_dims(shape).map_err(|e| CaseError(e.to_string()))?;
         Ok((s, d))
     }

@@ -55,7 +55,12 @@ impl Case {
                 if let Some(t) = out_t {
                     all.insert("output".to_string(), Tensor::from_elements(t.shape.clone(), &out));
                 }
-                all.insert("kv_blocks".to_string(), Tensor::from_elements(kv_t.shape.clone(), &cache));
+                // E4M3 codes given as U8 go back as U8 (the same bytes).
+                let mut kv = Tensor::from_elements(kv_t.shape.clone(), &cache);
+                if kv_t.dtype == Dtype::U8 {
+                    kv.dtype = Dtype::U8;
+                }
+                all.insert("kv_blocks".to_string(), kv);
                 if let Some((s, _)) = &scales {
                     let t = self.tensor("kv_scales")?;
                     all.insert("kv_scales".to_string(), Tensor::from_elements(t.shape.clone(), s));
