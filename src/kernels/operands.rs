@@ -474,6 +474,53 @@ mod tests {
         }
     }
 
+    /// The AVX2 one-row FP4 kernel (two groups side by side) bit for bit the scalar kernel, NVFP4
+    /// and MXFP4, with every E2M1 code in the weights and every byte as a weight block scale
+    /// (zero, subnormal and the largest E4M3 scales; E8M0 from 2⁻¹²⁷ to the NaN byte, whose
+    /// products the kernels compute alike), over block counts from one upwards.
+    #[test]
+    fn avx2_fp4_row_kernel_equals_the_scalar_kernel() {
+        let Ok(token) = IsaToken::new(Some(Isa::Avx2)) else {
+            eprintln!("AVX2 not available: nothing to compare");
+            return;
+        };
+        let scalar = IsaToken::new(Some(Isa::Scalar)).unwrap();
+        let n = ROW_GROUPS * GROUP;
+        let x = |i: usize, s: f32| ((i as f32) * s).sin() * (1.0 + (i % 7) as f32);
+        for k in [32, 96, 224, 512] {
+            let wf: Vec<f32> = (0..n * k).map(|i| x(i, 0.37)).collect();
+            let af: Vec<f32> = (0..2 * k).map(|i| x(i, 0.91) * if i % 5 == 0 { 1e3 } else { 1.0 }).collect();
+            for format in [BlockFormat::Nvfp4, BlockFormat::Mxfp4] {
+                let wq = quantize(format, &wf, n, k, nvfp4_global_scale(amax(&wf))).unwrap();
+                let lay = wq.as_ref().scale_layout();
+                let (data, mut scales, ts) = wq.into_parts();
+                let mut byte = 0usize;
+                for r in 0..n {
+                    for kb in 0..lay.k_blocks() {
+                        scales[lay.offset(r, kb)] = (byte * 97 % 256) as u8;
+                        byte += 1;
+                    }
+                }
+                let wq = QuantizedMatrix::from_parts(format, n, k, data, scales, ts).unwrap();
+                if k == 512 {
+                    let codes: std::collections::HashSet<u8> =
+                        wq.data().iter().flat_map(|b| [b & 15, b >> 4]).collect();
+                    assert_eq!(codes.len(), 16, "every E2M1 code in the weights");
+                }
+                let aq = quantize(format, &af, 2, k, nvfp4_global_scale(amax(&af))).unwrap();
+                let (w, a) = (PackedWeights::new(wq.as_ref()), Fp4Acts::prepare(aq.as_ref(), token, Team::One));
+                let gs = std::array::from_fn(|g| w.fp4_group(g));
+                let bits = |x: [[f32; GROUP]; ROW_GROUPS]| x.map(|g| g.map(f32::to_bits));
+                for row in 0..2 {
+                    let (mut want, mut got) = ([[0f32; GROUP]; ROW_GROUPS], [[f32::NAN; GROUP]; ROW_GROUPS]);
+                    fp4_row_v(scalar, false, &gs, &a.fp4_rows(&[row]), [&mut want]);
+                    fp4_row_v(token, false, &gs, &a.fp4_rows(&[row]), [&mut got]);
+                    assert_eq!(bits(got), bits(want), "{format:?} k {k} row {row}");
+                }
+            }
+        }
+    }
+
     /// The decode MXFP8 kernels — AVX2 (one row), AVX-512 (one and two rows), each with the half
     /// decode and with the f32-bits decode (the public tests reach only the one the CPU
     /// selects) — bit for bit the scalar kernel, with every E4M3 byte but NaN in the weights

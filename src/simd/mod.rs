@@ -794,6 +794,10 @@ pub(crate) fn fp4_row_v<const R: usize>(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, without VBMI.
         Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::fp4::fp4_row_avx512::<R>(gs, rows, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the token proves AVX2 and FMA were detected; the groups' and rows' checks as
+        // above.
+        Isa::Avx2 => unsafe { x86::fp4::fp4_row_avx2::<R>(gs, rows, out) },
         _ => by_group(gs, out, |g, tile| fp4_group_v(token, vbmi, g, rows, tile)),
     }
 }
