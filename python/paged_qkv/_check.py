@@ -174,7 +174,6 @@ def _ordered_values(a: np.ndarray, kind: str) -> Tuple[np.ndarray, np.ndarray]:
 def _compare(got: np.ndarray, want: np.ndarray, kind: str, tol: Tuple[float, float, int]):
     """Per element (flat): ulps (-1: NaN against a number), |abs|, rel, within tolerance — the rule
     of ``paged-qkv check``: within ``atol + rtol·|ref|`` or within ``ulps``; NaN matches NaN."""
-    atol, rtol, ulp_tol = tol
     og, gv = _ordered_values(got, kind)
     orf, rv = _ordered_values(want, kind)
     gnan, rnan = np.isnan(gv), np.isnan(rv)
@@ -183,6 +182,15 @@ def _compare(got: np.ndarray, want: np.ndarray, kind: str, tol: Tuple[float, flo
     u[gnan & rnan] = 0
     with np.errstate(invalid="ignore", over="ignore"):
         ab = np.where(u == 0, 0.0, np.abs(gv - rv))
+    return _verdict(u, ab, gv, rv, mism, tol)
+
+
+def _verdict(u, ab, gv, rv, mism, tol: Tuple[float, float, int]):
+    """The common end of :func:`_compare` and :func:`_compare_values`, given per element the ulps
+    ``u``, the absolute errors ``ab``, the values and where NaN meets a number (``mism``): marks
+    those (ulps -1, error infinite), adds the relative errors and the verdict."""
+    atol, rtol, ulp_tol = tol
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         ab[mism] = np.inf
         rel = np.where(rv != 0, ab / np.abs(np.where(rv == 0, 1, rv)), np.where(ab == 0, 0.0, np.inf))
         ok = ~mism & ((ab <= atol + rtol * np.abs(rv)) | (u <= ulp_tol))
@@ -407,7 +415,6 @@ def _compare_values(gc, gs, rc, rs, tol: Tuple[float, float, int]):
     """A quantized cache's elements (codes, their groups' scales as float64): the values
     ``code × scale`` compared as :func:`_compare` compares elements, the ulp being the E4M3 step of
     the reference code at the reference scale (rounded up; -1: NaN against a number)."""
-    atol, rtol, ulp_tol = tol
     gv, rv = _E4M3[gc] * gs, _E4M3[rc] * rs
     gnan, rnan = np.isnan(gv), np.isnan(rv)
     mism = gnan ^ rnan
@@ -417,11 +424,7 @@ def _compare_values(gc, gs, rc, rs, tol: Tuple[float, float, int]):
         ab = np.where((gv == rv) | (gnan & rnan), 0.0, np.abs(gv - rv))
         q = np.where(step > 0, ab / np.where(step > 0, step, 1), np.inf)
         u = np.where(ab == 0, 0, np.where(np.isfinite(q), np.ceil(np.minimum(q, 2.0**62)), 2.0**62)).astype(np.int64)
-        ab[mism] = np.inf
-        rel = np.where(rv != 0, ab / np.abs(np.where(rv == 0, 1, rv)), np.where(ab == 0, 0.0, np.inf))
-        ok = ~mism & ((ab <= atol + rtol * np.abs(rv)) | (u <= ulp_tol))
-    u[mism] = -1
-    return u, ab, rel, ok, gv, rv
+    return _verdict(u, ab, gv, rv, mism, tol)
 
 
 def _scales_check(sc_in, act_sc, ref_sc, act_sc_t, wmask, touched, layer, g, cap) -> TensorCheck:

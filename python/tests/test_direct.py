@@ -538,6 +538,15 @@ def test_check_op_finds_planted_bugs_and_names_them():
     r = pq.check_op("qkv_ragged", inputs, dict(actual, kv_blocks=bad))
     assert not r.passed and r.tensors["kv_blocks"].corrupted >= 1
 
+    # 6. A NaN where the reference is a number: a failure at ulps -1, counted as a NaN mismatch,
+    # whatever the tolerance.
+    out = actual["output"].copy()
+    out.reshape(-1)[3] = np.nan
+    r = pq.check_op("qkv_ragged", inputs, dict(actual, output=out), ulps=1 << 20, atol=1e30)
+    tc = r.tensors["output"]
+    assert not r.passed and tc.failures == 1 and tc.ulps[0] == -1, r.text
+    assert tc.ulp_histogram["NaN mismatch"] == 1 and np.isnan(tc.actual[0]) and np.isfinite(tc.reference[0])
+
 
 def test_check_op_cost_follows_the_written_slots():
     """A one-token store into a 128 MiB cache: the checker's numpy memory stays far below it."""

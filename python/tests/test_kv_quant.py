@@ -156,6 +156,13 @@ def test_check_op_judges_a_quantized_cache_by_value(op):
     assert not r.passed and kvr.failures == 1 and kvr.ulps[0] == 1, r
     assert tuple(kvr.index[0]) == (b, p, l, sl, h, i)
     assert pq.check_op(op, inputs, dict(actual, kv_blocks=c3), ulps=1).passed
+    # A written code made NaN (E4M3 0x7F): a NaN mismatch at ulps -1, whatever the tolerance.
+    c5 = c.copy()
+    c5[b, p, l, sl, h, i] = 0x7F
+    r = pq.check_op(op, inputs, dict(actual, kv_blocks=c5), ulps=1 << 20, atol=1e30)
+    kvr = r.tensors["kv_blocks"]
+    assert not r.passed and kvr.failures == 1 and kvr.ulps[0] == -1, r
+    assert kvr.ulp_histogram["NaN mismatch"] == 1
     # An unwritten group's scale changed.
     u = np.argwhere(s == s0)[0]
     s4 = s.copy()
