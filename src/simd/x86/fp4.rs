@@ -37,6 +37,39 @@ unsafe fn get<T: Copy>(s: &[T], i: usize) -> T {
     unsafe { *s.get_unchecked(i) }
 }
 
+/// 32 bytes of packed E2M1 pairs → their low and high nibbles' values plus 12 (`vpshufb` on
+/// [`LUT`]), for `vpmaddubsw` against the activations: the one weight decode of the AVX2 FP4
+/// kernels.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn nibbles256(lut: __m256i, w: __m256i) -> (__m256i, __m256i) {
+    let mask = _mm256_set1_epi8(0x0F);
+    let lo = _mm256_and_si256(w, mask);
+    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), mask);
+    (_mm256_shuffle_epi8(lut, lo), _mm256_shuffle_epi8(lut, hi))
+}
+
+/// The end of a block for 8 columns of one row: `fma(Σ (w + 12)·a − corr, s, acc)`, from the
+/// block's i16 sums `s16`, with `s` the columns' weight scale bytes `sb` (widened to i32) times
+/// the row's scale `sc` (E5M3: `sb << 20` as f32 bits times the f32 bits `sc`; E8M0: the
+/// exponent `sb + sc` clamped to 0..=255). The one block end of the AVX2 FP4 kernels.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn end256(kind: ScaleKind, s16: __m256i, corr: i32, sb: __m256i, sc: u32, acc: __m256) -> __m256 {
+    let isum = _mm256_sub_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)), _mm256_set1_epi32(corr));
+    let s = match kind {
+        ScaleKind::E5m3 => {
+            _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32::<20>(sb)), _mm256_set1_ps(f32::from_bits(sc)))
+        }
+        ScaleKind::E8m0 => {
+            let e = _mm256_add_epi32(sb, _mm256_set1_epi32(sc as i32));
+            let e = _mm256_min_epi32(_mm256_max_epi32(e, _mm256_setzero_si256()), _mm256_set1_epi32(255));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e))
+        }
+    };
+    _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, acc)
+}
+
 /// One block `kb` of one half (8 columns) of [`fp4_group_avx2`] for R rows:
 /// `acc[r] = fma(Σ (w + 12)·a − 12·Σa, s, acc[r])`.
 ///
@@ -53,8 +86,6 @@ unsafe fn fp4_block_avx2<const R: usize>(
     acc: &mut [__m256; R],
 ) {
     let lut = _mm256_broadcastsi128_si256(_mm_loadu_si128_safe(&LUT));
-    let mask = _mm256_set1_epi8(0x0F);
-    let ones = _mm256_set1_epi16(1);
     let v = g.pairs * 8;
     let mut s16 = [_mm256_setzero_si256(); R];
     for p in 0..g.pairs {
@@ -64,10 +95,7 @@ unsafe fn fp4_block_avx2<const R: usize>(
         }
         // SAFETY: `check` proved w.len() ≥ kb_total · pairs · 64, so off + 32 is in bounds.
         let w = unsafe { _mm256_loadu_si256(g.w.as_ptr().add(off).cast()) };
-        let lo = _mm256_and_si256(w, mask);
-        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), mask);
-        let wl = _mm256_shuffle_epi8(lut, lo);
-        let wh = _mm256_shuffle_epi8(lut, hi);
+        let (wl, wh) = nibbles256(lut, w);
         for r in 0..R {
             let a = rows.a[r];
             // SAFETY: `check` proved a.len() ≥ kb_total · v ≥ kb · v + p · 8 + 8.
@@ -82,18 +110,7 @@ unsafe fn fp4_block_avx2<const R: usize>(
     for r in 0..R {
         // SAFETY: `check` proved corr[r] and sc[r] hold kb_total > kb values.
         let (corr, sc) = unsafe { (get(rows.corr[r], kb), get(rows.sc[r], kb)) };
-        let isum = _mm256_sub_epi32(_mm256_madd_epi16(s16[r], ones), _mm256_set1_epi32(corr));
-        let s = match g.kind {
-            ScaleKind::E5m3 => {
-                _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32::<20>(sb)), _mm256_set1_ps(f32::from_bits(sc)))
-            }
-            ScaleKind::E8m0 => {
-                let e = _mm256_add_epi32(sb, _mm256_set1_epi32(sc as i32));
-                let e = _mm256_min_epi32(_mm256_max_epi32(e, _mm256_setzero_si256()), _mm256_set1_epi32(255));
-                _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e))
-            }
-        };
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, acc[r]);
+        acc[r] = end256(g.kind, s16[r], corr, sb, sc, acc[r]);
     }
 }
 
@@ -167,8 +184,6 @@ pub(crate) unsafe fn fp4_row_avx2<const R: usize>(
     const _: () = assert!(ROW_GROUPS.is_multiple_of(P));
     debug_assert_eq!(rows.count(), R);
     let lut = _mm256_broadcastsi128_si256(_mm_loadu_si128_safe(&LUT));
-    let mask = _mm256_set1_epi8(0x0F);
-    let ones = _mm256_set1_epi16(1);
     let (pairs, kbs, kind) = (gs[0].pairs, gs[0].kb, gs[0].kind);
     let v = pairs * 8;
     let pf = crate::simd::prefetch_weights();
@@ -206,9 +221,7 @@ pub(crate) unsafe fn fp4_row_avx2<const R: usize>(
                     for half in 0..2 {
                         // SAFETY: `check` proved g.w.len() ≥ kb_total · pairs · 64 for every group.
                         let w = unsafe { _mm256_loadu_si256(g[gi].w.as_ptr().add(off + half * 32).cast()) };
-                        let lo = _mm256_and_si256(w, mask);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), mask);
-                        let (wl, wh) = (_mm256_shuffle_epi8(lut, lo), _mm256_shuffle_epi8(lut, hi));
+                        let (wl, wh) = nibbles256(lut, w);
                         for r in 0..R {
                             let (a0, a1) = av[r];
                             let t = _mm256_add_epi16(_mm256_maddubs_epi16(wl, a0), _mm256_maddubs_epi16(wh, a1));
@@ -220,30 +233,13 @@ pub(crate) unsafe fn fp4_row_avx2<const R: usize>(
             for r in 0..R {
                 // SAFETY: `check` proved corr[r] and sc[r] hold kb_total > kb values.
                 let (corr, sc) = unsafe { (get(rows.corr[r], kb), get(rows.sc[r], kb)) };
-                let (corr, scv) = (_mm256_set1_epi32(corr), _mm256_set1_epi32(sc as i32));
                 for gi in 0..P {
                     for half in 0..2 {
                         // SAFETY: `check` proved ws.len() ≥ kb_total · 16.
                         let sb = unsafe {
                             _mm256_cvtepu8_epi32(_mm_loadl_epi64(g[gi].ws.as_ptr().add(kb * GROUP + half * 8).cast()))
                         };
-                        let isum = _mm256_sub_epi32(_mm256_madd_epi16(s16[r][gi][half], ones), corr);
-                        // As in `fp4_block_avx2`.
-                        let s = match kind {
-                            ScaleKind::E5m3 => _mm256_mul_ps(
-                                _mm256_castsi256_ps(_mm256_slli_epi32::<20>(sb)),
-                                _mm256_castsi256_ps(scv),
-                            ),
-                            ScaleKind::E8m0 => {
-                                let e = _mm256_add_epi32(sb, scv);
-                                let e = _mm256_min_epi32(
-                                    _mm256_max_epi32(e, _mm256_setzero_si256()),
-                                    _mm256_set1_epi32(255),
-                                );
-                                _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e))
-                            }
-                        };
-                        acc[r][gi][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, acc[r][gi][half]);
+                        acc[r][gi][half] = end256(kind, s16[r][gi][half], corr, sb, sc, acc[r][gi][half]);
                     }
                 }
             }
