@@ -27,7 +27,7 @@ use crate::simd::fp8::E8M0_FP8_ACT_BIAS;
 use crate::simd::fp8::Fp8Rows;
 use crate::simd::plain::PackedRows;
 use crate::simd::rope::{narrow, widen};
-use crate::simd::{DECODE_ROWS, GROUP, IsaToken, MR, ROW_GROUPS};
+use crate::simd::{GROUP, IsaToken, MR, ROW_GROUPS};
 
 /// One task's rows and columns.
 pub(crate) struct Tile<'a> {
@@ -317,9 +317,11 @@ impl<T: Element> Operands for PlainOperands<'_, T> {
         // rows' block in L2 while every micro-tile of the task uses them; the accumulators
         // continue through `out`, so the chain (the canonical order) is the same. A decode uses
         // each weight once: one k-block, so each group is one sequential stream (on Zen 4, k-blocks
-        // here made bf16 decode from DRAM 1.7× a plain read instead of 1.3×).
+        // here made bf16 decode from DRAM 1.7× a plain read instead of 1.3×); so do the few rows
+        // of `plain_stream_rows`.
         let pairs = self.w.pairs;
-        let kc = if rows.len() <= DECODE_ROWS { pairs.max(1) } else { crate::simd::plain_kc(token) };
+        let whole = rows.len() <= crate::simd::plain_stream_rows(token, self.w.kind);
+        let kc = if whole { pairs.max(1) } else { crate::simd::plain_kc(token) };
         for (bi, p0) in (0..pairs).step_by(kc).enumerate() {
             let p1 = (p0 + kc).min(pairs);
             let panel = self.w.panel(g0, g1, p0, p1);

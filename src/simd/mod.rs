@@ -834,6 +834,28 @@ pub(crate) fn plain_kc(token: IsaToken) -> usize {
     }
 }
 
+/// The most rows of a task for which the plain kernels of `token` stream each weight group whole
+/// (one k-block, every pair) instead of in [`plain_kc`] blocks: a few rows use each weight once
+/// or twice, so the call is a read of the weight, and a k-block only cuts its one sequential
+/// stream into pieces a group's length apart, each of which restarts the hardware prefetcher.
+/// AVX2 with bf16 or f16 weights: two micro-tiles (12 rows); the first row block streams each
+/// group from DRAM with the software prefetch, the second reads it again from L2
+/// (`x86::plain::panel_avx2`). Measured on AMD Zen 3, Llama-3-8B decode steps (`paged-qkv bench
+/// --decode-step --threads 1`, the two settings alternated): bf16 4 rows 300–335 → 152–171 ms a
+/// step (1.1–1.3× a plain read of the weight, was 2.0–2.4×), 8 rows 388–514 → 279–293 ms, 12
+/// rows 439–547 → 316–380 ms; f16 4 / 8 / 12 rows 285–300 → 158–177, 398–458 → 259–279,
+/// 469–508 → 316–333 ms. At 16 and more rows (compute-bound) the k-blocks were as fast or
+/// faster, and f32 weights (a group of 256 KiB, half of Zen 3's L2) lost with whole groups at 8
+/// rows (507–557 → 601–657 ms) and gained nothing at 4: they keep [`DECODE_ROWS`], as do the
+/// other ISAs (AVX-512 and NEON were not measured with more).
+pub(crate) fn plain_stream_rows(token: IsaToken, kind: PlainKind) -> usize {
+    match token.0 {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 if kind != PlainKind::F32 => 2 * x86::plain::MR256,
+        _ => DECODE_ROWS,
+    }
+}
+
 /// Multiplies `n` packed activation rows (pairs `p0 ..` of them) with every column of the panel
 /// block `w` (pairs `p0 .. p0 + w.pairs`): `out[i·ld + c]` for row `i` and panel column `c`, in the
 /// canonical order of [`plain`], continuing the chains from the values in `out` when `acc_in`.

@@ -423,11 +423,12 @@ fn plain_real_shapes() {
 
 /// Decode (M = 1 and 2): the kernels stream whole weight groups (no k-blocks) four at a time on
 /// `vdpbf16ps`; K spans several of the larger calls' k-blocks and N = 15 groups leaves a partial
-/// pass of four.
+/// pass of four. M = 4, 7 and 12: AVX2 streams whole groups of bf16 and f16 through one and two
+/// row blocks (`plain_stream_rows`), f32 in k-blocks.
 #[test]
 fn plain_decode_shapes() {
     let mut rng = Rng::new(62);
-    for (m, cache) in [(1usize, 127u32), (2, 0)] {
+    for (m, cache) in [(1usize, 127u32), (2, 0), (4, 5), (7, 0), (12, 300)] {
         let c = Cfg {
             ragged: true,
             k: 1201,

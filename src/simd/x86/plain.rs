@@ -521,8 +521,14 @@ pub(crate) unsafe fn panel_avx2(
     // bf16), bests +4-5 % (docs/performance.md). Software prefetch of the *current* stream hurt
     // decode on AMD Zen 4 ([`crate::simd::prefetch_weights`]); this one is of a stream the
     // hardware cannot predict.
+    //
+    // A panel of whole groups (`crate::simd::plain_stream_rows`: a few rows) is one sequential
+    // stream instead, the groups end to end: the first row block streams each group with the
+    // decode's prefetch ahead (which runs on into the next group), the second reads it from L2,
+    // and nothing is prefetched a group ahead.
+    let whole = w.stride == w.group_len();
     let wp = wpp(kind_id(w.kind));
-    let lines = pairs * wp / LINE_WORDS;
+    let lines = if whole { 0 } else { pairs * wp / LINE_WORDS };
     let per = lines.div_ceil(n.div_ceil(MR256));
     let base = w.data.as_ptr();
     // bf16 and f16 weights reused by more than one row block are widened once per group and
@@ -562,6 +568,9 @@ pub(crate) unsafe fn panel_avx2(
             for l in b * per..((b + 1) * per).min(lines) {
                 hint(next.wrapping_add(l * LINE_WORDS));
             }
+            // Prefetch along the weight: a whole group's first row block from DRAM (not a
+            // widened copy), else a k-block's tile of at most STREAM_ROWS rows (as before).
+            let pf = pf && if whole { b == 0 && !widen } else { rows <= STREAM_ROWS };
             // SAFETY: as in `panel_avx512`, one group at a time, 6-row blocks; when widened, q is
             // the `pairs` f32 k-pairs `widen_group256` wrote.
             unsafe {
@@ -620,7 +629,8 @@ unsafe fn widen_group256<const K: u8>(q: *const u32, pairs: usize, to: *mut u32)
 
 /// # Safety
 /// AVX2 + FMA + F16C; `g` holds `pairs` k-pairs of kind `K`, `a` a packed block of `pairs · 12`
-/// f32, `dst` R rows of 16 f32 at stride `ld` (read first when `acc_in`).
+/// f32, `dst` R rows of 16 f32 at stride `ld` (read first when `acc_in`). With `pf` each pair
+/// prefetches the weight [`PREFETCH`] bytes ahead (the caller decides when that pays).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn micro256<const R: usize, const K: u8>(
     g: *const u32,
@@ -646,7 +656,7 @@ unsafe fn micro256<const R: usize, const K: u8>(
     for p in 0..pairs {
         let q = g.wrapping_add(p * wpp(K));
         let ap = a.wrapping_add(p * 2 * MR256);
-        if R <= STREAM_ROWS && pf {
+        if pf {
             prefetch(q);
         }
         // SAFETY: (the whole block) q points at pair p of the group, ap at pair p of the packed block.
