@@ -174,6 +174,22 @@ impl<'a, B: Element, O: Element> Fp8Operands<'a, B, O> {
                 g += ROW_GROUPS;
             }
         }
+        if super::operands::fp8_few_fits(token, rows.len(), w.format.vector_size()) {
+            // A few rows: the few-row kernel, each chunk with its rows' span scales.
+            while g + ROW_GROUPS <= g1 {
+                let gs: [_; ROW_GROUPS] = std::array::from_fn(|i| w.fp8_group(g + i));
+                let outer = |chunk: &[usize]| {
+                    let last = chunk.len() - 1;
+                    Some(Outer {
+                        sub: SUB,
+                        sa: std::array::from_fn(|i| &self.sa_rows[chunk[i.min(last)] * kbs..][..kbs]),
+                        sw: std::array::from_fn(|i| &weight[(g + i) * GROUP / FP8_BLOCK * kbs..][..kbs]),
+                    })
+                };
+                super::operands::fp8_few_chunks(token, &gs, a, rows, outer, buf, width, g * GROUP - c0);
+                g += ROW_GROUPS;
+            }
+        }
         let mr = crate::simd::fp4_mr(token);
         if rows.len() >= 2 * mr && crate::simd::fp8_decodes(token) && g < g1 {
             // The tiled kernel per 128-block (weights decoded once per tile and block), its

@@ -194,6 +194,14 @@ impl Operands for Fp4Operands<'_> {
                 g0 += ROW_GROUPS;
             }
         }
+        if !self.w.format.is_fp4() && fp8_few_fits(token, rows.len(), self.w.format.vector_size()) {
+            // A few rows (a decode step's batch): each weight vector decoded once for up to four.
+            while g0 + ROW_GROUPS <= g1 {
+                let gs = std::array::from_fn(|i| self.w.fp8_group(g0 + i));
+                fp8_few_chunks(token, &gs, self.a, rows, |_| None, buf, width, g0 * GROUP - c0);
+                g0 += ROW_GROUPS;
+            }
+        }
         if !self.w.format.is_fp4() && rows.len() >= 2 * mr && crate::simd::fp8_decodes(token) {
             return self.fp8_tiled(token, rows, g0, g1, buf);
         }
@@ -412,6 +420,45 @@ pub(crate) fn four_groups(row: &mut [f32], at: usize) -> &mut [[f32; GROUP]; ROW
     row[at..at + ROW_GROUPS * GROUP].as_chunks_mut::<GROUP>().0.try_into().expect("ROW_GROUPS groups")
 }
 
+/// Whether [`fp8_few_chunks`] runs `n` rows of a weight with blocks of `v` on `token`'s ISA: more
+/// rows than the decode kernels take and fewer than the tiled kernel's two chunks.
+pub(crate) fn fp8_few_fits(token: IsaToken, n: usize, v: usize) -> bool {
+    let few = crate::simd::fp8_few_rows(token);
+    few >= 2 && n > crate::simd::row_rows(token) && n < 2 * crate::simd::fp4_mr(token) && v <= 32
+}
+
+/// The few-row MXFP8 / FP8 W8A8 kernel ([`crate::simd::fp8_few`]) on `rows` (where
+/// [`fp8_few_fits`]) and the four groups `gs`, in balanced chunks of at most
+/// [`crate::simd::fp8_few_rows`] rows (5 → 3 + 2, 6 → 3 + 3, 7 → 4 + 3; a later chunk reads the
+/// groups again from L2), with `outer(chunk)`'s span scales: row i's sums into `buf[i · width +
+/// at ..]`, the four groups' 64 columns.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn fp8_few_chunks<'o>(
+    token: IsaToken,
+    gs: &[crate::simd::fp8::Fp8Group<'_>; ROW_GROUPS],
+    a: &Fp4Acts,
+    rows: &[usize],
+    outer: impl Fn(&[usize]) -> Option<crate::simd::fp8::Outer<'o>>,
+    buf: &mut [f32],
+    width: usize,
+    at: usize,
+) {
+    assert!(fp8_few_fits(token, rows.len(), gs[0].v));
+    let per = rows.len().div_ceil(rows.len().div_ceil(crate::simd::fp8_few_rows(token)));
+    let mut lines = buf.chunks_mut(width);
+    for chunk in rows.chunks(per) {
+        let (r8, o) = (a.fp8_rows(chunk), outer(chunk));
+        let mut next = || four_groups(lines.next().expect("a row of the tile"), at);
+        let done = match chunk.len() {
+            2 => crate::simd::fp8_few::<2>(token, gs, &r8, o.as_ref(), [next(), next()]),
+            3 => crate::simd::fp8_few::<3>(token, gs, &r8, o.as_ref(), [next(), next(), next()]),
+            4 => crate::simd::fp8_few::<4>(token, gs, &r8, o.as_ref(), [next(), next(), next(), next()]),
+            n => unreachable!("a chunk of {n} rows"), // 2 ≤ n ≤ 7 rows give chunks of 2 to 4
+        };
+        assert!(done, "fp8_few_fits promised the kernel");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -420,7 +467,7 @@ mod tests {
     use crate::formats::scale_layout::ScaleLayout;
     use crate::kernels::team::Team;
     use crate::simd::fp4::group_scalar;
-    use crate::simd::{Isa, fp4_group_v, fp4_mr, fp4_row_v, fp8_row_v, row_rows};
+    use crate::simd::{Isa, fp4_group_v, fp4_mr, fp4_row_v, fp8_few_rows, fp8_few_v, fp8_row_v, row_rows};
 
     /// The AVX-512 FP4 kernels with and without the VBMI nibble decode (the public tests reach
     /// only the one the CPU selects): bit for bit the scalar kernel, for the group kernel at
@@ -523,7 +570,30 @@ mod tests {
         }
     }
 
-    /// The decode MXFP8 kernels — AVX2 (one row), AVX-512 (one and two rows), each with the half
+    /// Rows (of the two below) that the few-row kernel runs at once: 2, 3 and 4 rows.
+    const PICKS: [&[usize]; 3] = [&[0, 1], &[1, 0, 1], &[0, 1, 1, 0]];
+
+    /// [`fp8_few_v`] on `rows.count` rows: the bits of each row's result.
+    fn few(
+        token: IsaToken,
+        bits: bool,
+        gs: &[crate::simd::fp8::Fp8Group<'_>; ROW_GROUPS],
+        rows: &crate::simd::fp8::Fp8Rows<'_>,
+        outer: Option<&crate::simd::fp8::Outer<'_>>,
+    ) -> Vec<[[u32; GROUP]; ROW_GROUPS]> {
+        let mut got = [[[f32::NAN; GROUP]; ROW_GROUPS]; 4];
+        let [o0, o1, o2, o3] = &mut got;
+        let done = match rows.count {
+            2 => fp8_few_v::<2>(token, bits, gs, rows, outer, [o0, o1]),
+            3 => fp8_few_v::<3>(token, bits, gs, rows, outer, [o0, o1, o2]),
+            _ => fp8_few_v::<4>(token, bits, gs, rows, outer, [o0, o1, o2, o3]),
+        };
+        assert!(done, "{token:?} has a few-row kernel");
+        got[..rows.count].iter().map(|x| x.map(|g| g.map(f32::to_bits))).collect()
+    }
+
+    /// The decode MXFP8 kernels — AVX2 (one row, and two to four in the few-row kernel), AVX-512
+    /// (one and two rows), each with the half
     /// decode and with the f32-bits decode (the public tests reach only the one the CPU
     /// selects) — bit for bit the scalar kernel, with every E4M3 byte but NaN in the weights
     /// (subnormals, ±0, ±448) and in the activations, and block scales from 2⁻¹²⁷ to 2¹²⁷ on
@@ -592,6 +662,17 @@ mod tests {
                     let got = [g0, g1].map(|x| x.map(|g| g.map(f32::to_bits)));
                     assert_eq!(got, want, "case {case}, {token:?}, f32-bits decode {bits}, two rows");
                 }
+                if fp8_few_rows(token) >= 2 {
+                    for pick in PICKS {
+                        let got = few(token, bits, &gs, &a.fp8_rows(pick), None);
+                        for (i, &r) in pick.iter().enumerate() {
+                            assert_eq!(
+                                got[i], want[r],
+                                "case {case}, {token:?}, bits {bits}, few rows {pick:?}, row {i}"
+                            );
+                        }
+                    }
+                }
             }
             // Outer span scales (FP8 W8A8 blocks): the decode kernels against each span run
             // alone by the scalar kernel and combined (`total += span · (sa · sw)`), spans of 4
@@ -658,6 +739,23 @@ mod tests {
                         assert!(fp8_row_v(token, bits, &gs, &a.fp8_rows(&[0, 1]), Some(&outer), [&mut g0, &mut g1]));
                         let got = [g0, g1].map(|x| x.map(|g| g.map(f32::to_bits)));
                         assert_eq!(got, want, "case {case}, {token:?}, bits {bits}, spans of {sub}, two rows");
+                    }
+                    if fp8_few_rows(token) >= 2 {
+                        for pick in PICKS {
+                            let last = pick.len() - 1;
+                            let o = crate::simd::fp8::Outer {
+                                sub,
+                                sa: std::array::from_fn(|i| &sa[pick[i.min(last)]][..]),
+                                sw: outer.sw,
+                            };
+                            let got = few(token, bits, &gs, &a.fp8_rows(pick), Some(&o));
+                            for (i, &r) in pick.iter().enumerate() {
+                                assert_eq!(
+                                    got[i], want[r],
+                                    "case {case}, {token:?}, bits {bits}, spans of {sub}, {pick:?}"
+                                );
+                            }
+                        }
                     }
                 }
             }

@@ -739,6 +739,67 @@ pub(crate) fn fp8_row_outer<const R: usize>(
     fp8_row_v(token, fp8_bits_decode(), gs, rows, Some(outer), out)
 }
 
+/// The most rows [`fp8_few`] takes at once on `token`'s ISA: 4 on AVX2 (its few-row kernel), 0
+/// elsewhere (AVX-512 runs two rows in [`fp8_row`] and more in its eight-row group kernel).
+pub(crate) fn fp8_few_rows(token: IsaToken) -> usize {
+    if token.0 == Isa::Avx2 { 4 } else { 0 }
+}
+
+/// The MXFP8 / FP8 W8A8 kernel of a few rows (R = 2 ..= [`fp8_few_rows`]) on [`ROW_GROUPS`]
+/// groups of the same weight, with [`Outer`] span scales or without: the bits of [`fp8_group`]
+/// on each group (of each span, combined as [`Outer`] says), each weight decoded once for the R
+/// rows. `false`, with `out` unwritten, where the ISA has no such kernel or the block is longer
+/// than 32.
+pub(crate) fn fp8_few<const R: usize>(
+    token: IsaToken,
+    gs: &[Fp8Group<'_>; ROW_GROUPS],
+    rows: &Fp8Rows<'_>,
+    outer: Option<&Outer<'_>>,
+    out: [&mut [[f32; GROUP]; ROW_GROUPS]; R],
+) -> bool {
+    fp8_few_v(token, fp8_bits_decode(), gs, rows, outer, out)
+}
+
+/// [`fp8_few`], with the f32-bits decode only when `bits` (the tests reach both decodes).
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))] // only x86 has the kernel
+pub(crate) fn fp8_few_v<const R: usize>(
+    token: IsaToken,
+    bits: bool,
+    gs: &[Fp8Group<'_>; ROW_GROUPS],
+    rows: &Fp8Rows<'_>,
+    outer: Option<&Outer<'_>>,
+    out: [&mut [[f32; GROUP]; ROW_GROUPS]; R],
+) -> bool {
+    assert!(rows.count == R && (2..=4).contains(&R));
+    for g in gs {
+        g.check(rows);
+        assert!(g.v == gs[0].v && g.kb == gs[0].kb);
+    }
+    if let Some(o) = outer {
+        o.check(gs[0].kb, R);
+    }
+    match token.0 {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 if gs[0].v <= 32 => {
+            use x86::fp8::fp8_rows_avx2 as k;
+            // SAFETY: the token proves AVX2, FMA and F16C were detected; rows.count == R (asserted
+            // above); `check` proved every group's lengths for these rows and the groups share v
+            // and kb (asserted), v ≤ 32 (the guard), `outer` holds a span scale for every span
+            // (checked); R · G ≤ 4 with G = 2 for two rows and 1 otherwise, both dividing 4.
+            unsafe {
+                match (R == 2, bits) {
+                    (true, true) => k::<R, 2, true>(gs, rows, outer, out),
+                    (true, false) => k::<R, 2, false>(gs, rows, outer, out),
+                    (false, true) => k::<R, 1, true>(gs, rows, outer, out),
+                    (false, false) => k::<R, 1, false>(gs, rows, outer, out),
+                }
+            }
+            true
+        }
+        _ => false,
+    }
+}
+
 /// The decode dispatchers' fallback where the ISA has no decode kernel: the group kernel `run`
 /// on each group in turn, its first R tile rows copied to `out[r][g]`.
 fn by_group<G, const R: usize>(

@@ -539,6 +539,118 @@ pub(crate) unsafe fn fp8_row_avx2<const BITS: bool>(
     }
 }
 
+/// The AVX2 kernel of a few rows (R = 2–4, a decode step's small batch): [`fp8_row_avx2`]'s
+/// decodes and arithmetic (so the same bits) on the call's [`ROW_GROUPS`] groups in passes of G
+/// (R · G ≤ 4: eight FMA chains, R · G · 2 accumulators beside the decode in the sixteen ymm
+/// registers), each weight vector decoded once for the R rows. The group kernel it replaces had
+/// one chain per row and half, two dependent FMAs per k-pair, and decoded its weights per group
+/// again in every call: Llama-3-8B MXFP8 with two rows ran at 3.4× a plain read of the weight on
+/// AMD Zen 3 (docs/performance.md). One k per step, the weights prefetched along each pass's
+/// streams (`RunOn`: past a pass's end into the next pass's groups), the block scales too.
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; `rows.count == R`; `g.check(rows)` must have passed for
+/// every group, all with the same `v` and `kb`; `v ≤ 32`; R · G ≤ 4 and G divides
+/// [`ROW_GROUPS`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn fp8_rows_avx2<const R: usize, const G: usize, const BITS: bool>(
+    gs: &[Fp8Group<'_>; ROW_GROUPS],
+    rows: &Fp8Rows<'_>,
+    outer: Option<&Outer<'_>>,
+    mut out: [&mut [[f32; GROUP]; ROW_GROUPS]; R],
+) {
+    debug_assert!(rows.count == R && R * G <= 4 && ROW_GROUPS.is_multiple_of(G));
+    let (v, kbs) = (gs[0].v, gs[0].kb);
+    debug_assert!(v <= 32);
+    let pf = crate::simd::prefetch_weights();
+    for o in out.iter_mut() {
+        **o = [[0.0; GROUP]; ROW_GROUPS];
+    }
+    // With outer scales each span's sums start from zero in `part`; its end adds them to `out`.
+    let mut part = [[[0f32; GROUP]; ROW_GROUPS]; R];
+    let keep = _mm256_set1_epi32(0x87F0_0000u32 as i32);
+    // [`fp8_row_avx2`]'s `vpshufb` indices (byte o + i to the top of lane i).
+    let top = |o: i32| {
+        let l = |i: i32| ((o + i) << 24) | 0x80_8080;
+        _mm256_setr_epi32(l(0), l(1), l(2), l(3), l(4), l(5), l(6), l(7))
+    };
+    let (ix0, ix1) = (top(0), top(8));
+    let mul = if BITS { ACT_UP } else { 1.0 };
+    let mut up = [[0f32; 32]; R];
+    for p0 in (0..ROW_GROUPS).step_by(G) {
+        let pass: &[Fp8Group<'_>; G] = gs[p0..p0 + G].try_into().expect("G groups");
+        let (wrun, srun) = (RunOn::new(pass.each_ref().map(|g| g.w)), RunOn::new(pass.each_ref().map(|g| g.ws)));
+        if pf {
+            super::prefetch_starts(pass.each_ref().map(|g| g.w));
+            super::prefetch_heads(pass.each_ref().map(|g| g.ws), SCALES_AHEAD);
+        }
+        for b in 0..kbs {
+            let mut bs = [[[_mm256_setzero_ps(); 2]; G]; R];
+            if pf && b % 4 == 0 {
+                for g in pass {
+                    srun.prefetch(g.ws.as_ptr(), b * GROUP + SCALES_AHEAD);
+                }
+            }
+            // The block's activations (times 2¹¹² for the f32-bits decode), where the FMAs
+            // broadcast them from.
+            for (u, a) in up.iter_mut().zip(rows.a) {
+                for (x, kk) in u.iter_mut().zip(b * v..(b + 1) * v) {
+                    // SAFETY: `check` proved a.len() ≥ kb · V > kk.
+                    *x = unsafe { at(a, kk) } * mul;
+                }
+            }
+            for (i, kk) in (b * v..(b + 1) * v).enumerate() {
+                for (g, gb) in pass.iter().zip(0..G) {
+                    let p = g.w.as_ptr().wrapping_add(kk * GROUP);
+                    if pf && kk % 4 == 0 {
+                        wrun.prefetch(g.w.as_ptr(), kk * GROUP + super::fp4::PREFETCH);
+                    }
+                    // Weight k, columns 0..8 and 8..16 (the decodes of `fp8_row_avx2`).
+                    // SAFETY: `check` proved g.w.len() ≥ kb · V · 16 ≥ (kk + 1) · 16.
+                    let (w0, w1) = unsafe {
+                        if BITS {
+                            let x = _mm256_broadcastsi128_si256(_mm_loadu_si128(p.cast()));
+                            let w0 = _mm256_and_si256(_mm256_srai_epi32::<4>(_mm256_shuffle_epi8(x, ix0)), keep);
+                            let w1 = _mm256_and_si256(_mm256_srai_epi32::<4>(_mm256_shuffle_epi8(x, ix1)), keep);
+                            (_mm256_castsi256_ps(w0), _mm256_castsi256_ps(w1))
+                        } else {
+                            halves256(_mm256_cvtepu8_epi16(_mm_loadu_si128(p.cast())))
+                        }
+                    };
+                    for (s, u) in bs.iter_mut().zip(&up) {
+                        let a = _mm256_set1_ps(u[i]);
+                        s[gb][0] = _mm256_fmadd_ps(a, w0, s[gb][0]);
+                        s[gb][1] = _mm256_fmadd_ps(a, w1, s[gb][1]);
+                    }
+                }
+            }
+            for (r, (sr, o)) in bs.iter().zip(out.iter_mut()).enumerate() {
+                let acc: &mut [[f32; GROUP]; ROW_GROUPS] = if outer.is_some() { &mut part[r] } else { o };
+                for (gb, (g, s)) in pass.iter().zip(sr).enumerate() {
+                    // SAFETY: `check` proved ws.len() ≥ kb · 16 > b · 16 + 15; the group's 16
+                    // accumulators are an array of 16 f32 (zeroed before block 0).
+                    unsafe {
+                        block_end256(&scale_bytes256x2(g, b), rows.sc[r][b], s, acc[p0 + gb].as_mut_ptr(), false)
+                    };
+                }
+            }
+            if let Some(o) = outer
+                && let Some(j) = o.at_end(b, kbs)
+            {
+                for (r, (t, pr)) in out.iter_mut().zip(part.iter_mut()).enumerate() {
+                    for gi in p0..p0 + G {
+                        let s = o.sa[r][j] * o.sw[gi][j];
+                        for (x, p) in t[gi].iter_mut().zip(pr[gi].iter_mut()) {
+                            *x += *p * s;
+                            *p = 0.0;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// `2¹¹²`: what [`fp8_row_avx512vbmi`] multiplies the activations by, since its decode leaves the
 /// weights at `w · 2⁻¹²⁰` instead of `w · 2⁻⁸`.
 const ACT_UP: f32 = f32::from_bits((127 + 112) << 23);
