@@ -676,6 +676,15 @@ fn fp8_bits_decode() -> bool {
     false
 }
 
+/// What the MXFP8 decode kernels' unchecked loads rely on: every group's lengths for `rows`, and
+/// one `v` and `kb` for all of them.
+fn check_groups(gs: &[Fp8Group<'_>; ROW_GROUPS], rows: &Fp8Rows<'_>) {
+    for g in gs {
+        g.check(rows);
+        assert!(g.v == gs[0].v && g.kb == gs[0].kb);
+    }
+}
+
 /// [`fp8_row`], with the f32-bits decode only when `bits` (and, on AVX-512, the CPU has VBMI):
 /// the tests reach both kernels of each ISA this way, whichever [`fp8_row`] chooses.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))] // `bits` matters on x86 only
@@ -688,10 +697,7 @@ pub(crate) fn fp8_row_v<const R: usize>(
     out: [&mut [[f32; GROUP]; ROW_GROUPS]; R],
 ) -> bool {
     assert!(rows.count == R && R <= row_rows(token));
-    for g in gs {
-        g.check(rows);
-        assert!(g.v == gs[0].v && g.kb == gs[0].kb);
-    }
+    check_groups(gs, rows);
     match token.0 {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the token proves AVX-512 F and BW were detected, `has_vbmi` VBMI; `check`
@@ -771,10 +777,7 @@ pub(crate) fn fp8_few_v<const R: usize>(
     out: [&mut [[f32; GROUP]; ROW_GROUPS]; R],
 ) -> bool {
     assert!(rows.count == R && (2..=4).contains(&R));
-    for g in gs {
-        g.check(rows);
-        assert!(g.v == gs[0].v && g.kb == gs[0].kb);
-    }
+    check_groups(gs, rows);
     if let Some(o) = outer {
         o.check(gs[0].kb, R);
     }
