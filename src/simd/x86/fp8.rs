@@ -407,6 +407,65 @@ pub(crate) unsafe fn fp8_row_avx512<const R: usize>(
     rows_store(out, if outer.is_some() { &total } else { &acc });
 }
 
+/// The f32-bits E4M3 decode of one k's 16 weight bytes (columns 0..8 and 8..16), shared by
+/// [`fp8_row_avx2`] and [`fp8_rows_avx2`]: each byte moved to the top of its f32 lane (zeros
+/// below) and shifted right arithmetically by 4 has the sign in bits 31..27 and the magnitude in
+/// 26..20; the AND clears 30..27: `(b & 0x80) << 24 | (b & 0x7F) << 20`, w · 2⁻¹²⁰. (`vpmovsxbd`
+/// then a left shift by 20 gives the same bits; measured a little slower on Zen 3.)
+#[derive(Clone, Copy)]
+struct BitsDecode {
+    ix0: __m256i,
+    ix1: __m256i,
+    keep: __m256i,
+}
+
+impl BitsDecode {
+    /// The constants (in-lane `vpshufb` indices putting byte o + i in the top byte of lane i and
+    /// zeros below: the high lane indexes its own copy of the 16 bytes).
+    #[target_feature(enable = "avx2")]
+    fn new() -> Self {
+        let top = |o: i32| {
+            let l = |i: i32| ((o + i) << 24) | 0x80_8080;
+            _mm256_setr_epi32(l(0), l(1), l(2), l(3), l(4), l(5), l(6), l(7))
+        };
+        BitsDecode { ix0: top(0), ix1: top(8), keep: _mm256_set1_epi32(0x87F0_0000u32 as i32) }
+    }
+
+    /// Weight k's 16 bytes at `p`, decoded.
+    ///
+    /// # Safety
+    /// `p` must point to 16 readable bytes.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn k(&self, p: *const u8) -> (__m256, __m256) {
+        // SAFETY: the caller's obligation: 16 readable bytes at `p`.
+        let x = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(p.cast()) });
+        let w0 = _mm256_and_si256(_mm256_srai_epi32::<4>(_mm256_shuffle_epi8(x, self.ix0)), self.keep);
+        let w1 = _mm256_and_si256(_mm256_srai_epi32::<4>(_mm256_shuffle_epi8(x, self.ix1)), self.keep);
+        (_mm256_castsi256_ps(w0), _mm256_castsi256_ps(w1))
+    }
+}
+
+/// A span's end in the AVX2 row kernels: row `r`'s span sums `part` of the groups `gi`, times the
+/// span scales `sa[r][j] · sw[g][j]`, added to `total` and cleared for the next span.
+#[inline(always)]
+fn span_end(
+    o: &Outer<'_>,
+    j: usize,
+    r: usize,
+    gi: core::ops::Range<usize>,
+    total: &mut [[f32; GROUP]; ROW_GROUPS],
+    part: &mut [[f32; GROUP]; ROW_GROUPS],
+) {
+    for g in gi {
+        let s = o.sa[r][j] * o.sw[g][j];
+        for (x, p) in total[g].iter_mut().zip(part[g].iter_mut()) {
+            *x += *p * s;
+            *p = 0.0;
+        }
+    }
+}
+
 /// The AVX2 one-row kernel: [`fp8_group_avx2`]'s decode and arithmetic (so the same bits) on
 /// [`ROW_GROUPS`] groups at once, both halves of each, for eight independent FMA chains: the
 /// group kernel's one row has a single chain, whose latency (two dependent FMAs per k-pair)
@@ -448,14 +507,7 @@ pub(crate) unsafe fn fp8_row_avx2<const BITS: bool>(
         Some(_) => (&mut part, Some(out)),
         None => (out, None),
     };
-    let keep = _mm256_set1_epi32(0x87F0_0000u32 as i32);
-    // `vpshufb` indices putting byte o + i in the top byte of lane i and zeros below (in-lane: the
-    // high lane indexes its own copy of the 16 bytes).
-    let top = |o: i32| {
-        let l = |i: i32| ((o + i) << 24) | 0x80_8080;
-        _mm256_setr_epi32(l(0), l(1), l(2), l(3), l(4), l(5), l(6), l(7))
-    };
-    let (ix0, ix1) = (top(0), top(8));
+    let dec = BitsDecode::new();
     // Past a group's end the weight and scale prefetches go to the next call's groups
     // (`RunOn`); the scales are streams of their own (16 bytes a block), which the loop
     // prefetches a line at a time, the first lines here. Measured, Qwen2.5-0.5B FP8 M = 1 from
@@ -487,17 +539,11 @@ pub(crate) unsafe fn fp8_row_avx2<const BITS: bool>(
                     if pf && kk % 4 == 0 {
                         wrun.prefetch(g.w.as_ptr(), kk * GROUP + super::fp4::PREFETCH);
                     }
-                    // Weight k, columns 0..8 and 8..16: each byte moved to the top of its f32
-                    // lane (zeros below) and shifted right arithmetically by 4 has the sign in
-                    // bits 31..27 and the magnitude in 26..20; the AND clears 30..27:
-                    // `(b & 0x80) << 24 | (b & 0x7F) << 20`, w · 2⁻¹²⁰. (`vpmovsxbd` then a left
-                    // shift by 20 gives the same bits; measured a little slower on Zen 3.)
+                    // Weight k, columns 0..8 and 8..16 ([`BitsDecode`]).
                     // SAFETY: `check` proved g.w.len() ≥ kb · V · 16 ≥ (kk + 1) · 16.
-                    let x = unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(p.cast())) };
-                    let w0 = _mm256_and_si256(_mm256_srai_epi32::<4>(_mm256_shuffle_epi8(x, ix0)), keep);
-                    let w1 = _mm256_and_si256(_mm256_srai_epi32::<4>(_mm256_shuffle_epi8(x, ix1)), keep);
-                    s[0] = _mm256_fmadd_ps(a0, _mm256_castsi256_ps(w0), s[0]);
-                    s[1] = _mm256_fmadd_ps(a0, _mm256_castsi256_ps(w1), s[1]);
+                    let (w0, w1) = unsafe { dec.k(p) };
+                    s[0] = _mm256_fmadd_ps(a0, w0, s[0]);
+                    s[1] = _mm256_fmadd_ps(a0, w1, s[1]);
                 }
             }
         } else {
@@ -528,13 +574,7 @@ pub(crate) unsafe fn fp8_row_avx2<const BITS: bool>(
         if let (Some(o), Some(t)) = (outer, total.as_deref_mut())
             && let Some(j) = o.at_end(b, kbs)
         {
-            for (gi, (tg, pg)) in t.iter_mut().zip(acc.iter_mut()).enumerate() {
-                let s = o.sa[0][j] * o.sw[gi][j];
-                for (x, p) in tg.iter_mut().zip(pg.iter_mut()) {
-                    *x += *p * s;
-                    *p = 0.0;
-                }
-            }
+            span_end(o, j, 0, 0..G, t, acc);
         }
     }
 }
@@ -568,13 +608,7 @@ pub(crate) unsafe fn fp8_rows_avx2<const R: usize, const G: usize, const BITS: b
     }
     // With outer scales each span's sums start from zero in `part`; its end adds them to `out`.
     let mut part = [[[0f32; GROUP]; ROW_GROUPS]; R];
-    let keep = _mm256_set1_epi32(0x87F0_0000u32 as i32);
-    // [`fp8_row_avx2`]'s `vpshufb` indices (byte o + i to the top of lane i).
-    let top = |o: i32| {
-        let l = |i: i32| ((o + i) << 24) | 0x80_8080;
-        _mm256_setr_epi32(l(0), l(1), l(2), l(3), l(4), l(5), l(6), l(7))
-    };
-    let (ix0, ix1) = (top(0), top(8));
+    let dec = BitsDecode::new();
     let mul = if BITS { ACT_UP } else { 1.0 };
     let mut up = [[0f32; 32]; R];
     for p0 in (0..ROW_GROUPS).step_by(G) {
@@ -609,10 +643,7 @@ pub(crate) unsafe fn fp8_rows_avx2<const R: usize, const G: usize, const BITS: b
                     // SAFETY: `check` proved g.w.len() ≥ kb · V · 16 ≥ (kk + 1) · 16.
                     let (w0, w1) = unsafe {
                         if BITS {
-                            let x = _mm256_broadcastsi128_si256(_mm_loadu_si128(p.cast()));
-                            let w0 = _mm256_and_si256(_mm256_srai_epi32::<4>(_mm256_shuffle_epi8(x, ix0)), keep);
-                            let w1 = _mm256_and_si256(_mm256_srai_epi32::<4>(_mm256_shuffle_epi8(x, ix1)), keep);
-                            (_mm256_castsi256_ps(w0), _mm256_castsi256_ps(w1))
+                            dec.k(p)
                         } else {
                             halves256(_mm256_cvtepu8_epi16(_mm_loadu_si128(p.cast())))
                         }
@@ -638,13 +669,7 @@ pub(crate) unsafe fn fp8_rows_avx2<const R: usize, const G: usize, const BITS: b
                 && let Some(j) = o.at_end(b, kbs)
             {
                 for (r, (t, pr)) in out.iter_mut().zip(part.iter_mut()).enumerate() {
-                    for gi in p0..p0 + G {
-                        let s = o.sa[r][j] * o.sw[gi][j];
-                        for (x, p) in t[gi].iter_mut().zip(pr[gi].iter_mut()) {
-                            *x += *p * s;
-                            *p = 0.0;
-                        }
-                    }
+                    span_end(o, j, r, p0..p0 + G, t, pr);
                 }
             }
         }
