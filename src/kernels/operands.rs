@@ -194,11 +194,24 @@ impl Operands for Fp4Operands<'_> {
                 g0 += ROW_GROUPS;
             }
         }
-        if !self.w.format.is_fp4() && fp8_few_fits(token, rows.len(), self.w.format.vector_size()) {
+        if few_fits(token, rows.len(), self.w.format.vector_size()) {
             // A few rows (a decode step's batch): each weight vector decoded once for up to four.
             while g0 + ROW_GROUPS <= g1 {
-                let gs = std::array::from_fn(|i| self.w.fp8_group(g0 + i));
-                fp8_few_chunks(token, &gs, self.a, rows, |_| None, buf, width, g0 * GROUP - c0);
+                let at = g0 * GROUP - c0;
+                if self.w.format.is_fp4() {
+                    let gs = std::array::from_fn(|i| self.w.fp4_group(g0 + i));
+                    few_chunks(token, &Fp4Few { token, gs: &gs, a: self.a }, rows, buf, width, at);
+                } else {
+                    let gs = std::array::from_fn(|i| self.w.fp8_group(g0 + i));
+                    few_chunks(
+                        token,
+                        &Fp8Few { token, gs: &gs, a: self.a, outer: |_: &[usize]| None },
+                        rows,
+                        buf,
+                        width,
+                        at,
+                    );
+                }
                 g0 += ROW_GROUPS;
             }
         }
@@ -420,42 +433,79 @@ pub(crate) fn four_groups(row: &mut [f32], at: usize) -> &mut [[f32; GROUP]; ROW
     row[at..at + ROW_GROUPS * GROUP].as_chunks_mut::<GROUP>().0.try_into().expect("ROW_GROUPS groups")
 }
 
-/// Whether [`fp8_few_chunks`] runs `n` rows of a weight with blocks of `v` on `token`'s ISA: more
-/// rows than the decode kernels take and fewer than the tiled kernel's two chunks.
-pub(crate) fn fp8_few_fits(token: IsaToken, n: usize, v: usize) -> bool {
-    let few = crate::simd::fp8_few_rows(token);
+/// Whether [`few_chunks`] runs `n` rows of a weight with blocks of `v` on `token`'s ISA: more
+/// rows than the decode kernels take and fewer than two of the group and tiled kernels' chunks.
+pub(crate) fn few_fits(token: IsaToken, n: usize, v: usize) -> bool {
+    let few = crate::simd::few_rows(token);
     few >= 2 && n > crate::simd::row_rows(token) && n < 2 * crate::simd::fp4_mr(token) && v <= 32
 }
 
-/// The few-row MXFP8 / FP8 W8A8 kernel ([`crate::simd::fp8_few`]) on `rows` (where
-/// [`fp8_few_fits`]) and the four groups `gs`, in balanced chunks of at most
-/// [`crate::simd::fp8_few_rows`] rows (5 → 3 + 2, 6 → 3 + 3, 7 → 4 + 3; a later chunk reads the
-/// groups again from L2), with `outer(chunk)`'s span scales: row i's sums into `buf[i · width +
-/// at ..]`, the four groups' 64 columns.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn fp8_few_chunks<'o>(
+/// A few-row kernel ([`crate::simd::fp8_few`], [`crate::simd::fp4_few`]) on the four groups of
+/// one call, for [`few_chunks`].
+pub(crate) trait FewKernel {
+    /// The weight's block length.
+    fn v(&self) -> usize;
+    /// The kernel on the R rows `chunk`, into `out[r]`; `false` where the ISA has none.
+    fn run<const R: usize>(&self, chunk: &[usize], out: [&mut [[f32; GROUP]; ROW_GROUPS]; R]) -> bool;
+}
+
+/// The MXFP8 / FP8 W8A8 few-row kernel on groups `gs`, with `outer(chunk)`'s span scales.
+pub(crate) struct Fp8Few<'a, 'g, F> {
+    pub token: IsaToken,
+    pub gs: &'a [crate::simd::fp8::Fp8Group<'g>; ROW_GROUPS],
+    pub a: &'a Fp4Acts,
+    pub outer: F,
+}
+
+impl<'o, F: Fn(&[usize]) -> Option<crate::simd::fp8::Outer<'o>>> FewKernel for Fp8Few<'_, '_, F> {
+    fn v(&self) -> usize {
+        self.gs[0].v
+    }
+    fn run<const R: usize>(&self, chunk: &[usize], out: [&mut [[f32; GROUP]; ROW_GROUPS]; R]) -> bool {
+        crate::simd::fp8_few::<R>(self.token, self.gs, &self.a.fp8_rows(chunk), (self.outer)(chunk).as_ref(), out)
+    }
+}
+
+/// The NVFP4 / MXFP4 few-row kernel on groups `gs`.
+pub(crate) struct Fp4Few<'a, 'g> {
+    pub token: IsaToken,
+    pub gs: &'a [crate::simd::fp4::Fp4Group<'g>; ROW_GROUPS],
+    pub a: &'a Fp4Acts,
+}
+
+impl FewKernel for Fp4Few<'_, '_> {
+    fn v(&self) -> usize {
+        self.gs[0].pairs * 8
+    }
+    fn run<const R: usize>(&self, chunk: &[usize], out: [&mut [[f32; GROUP]; ROW_GROUPS]; R]) -> bool {
+        crate::simd::fp4_few::<R>(self.token, self.gs, &self.a.fp4_rows(chunk), out)
+    }
+}
+
+/// A few-row kernel on `rows` (where [`few_fits`]), in balanced chunks of at most
+/// [`crate::simd::few_rows`] rows (5 → 3 + 2, 6 → 3 + 3, 7 → 4 + 3; a later chunk reads the
+/// groups again from L2): row i's sums into `buf[i · width + at ..]`, the four groups' 64 columns.
+pub(crate) fn few_chunks(
     token: IsaToken,
-    gs: &[crate::simd::fp8::Fp8Group<'_>; ROW_GROUPS],
-    a: &Fp4Acts,
+    kernel: &impl FewKernel,
     rows: &[usize],
-    outer: impl Fn(&[usize]) -> Option<crate::simd::fp8::Outer<'o>>,
     buf: &mut [f32],
     width: usize,
     at: usize,
 ) {
-    assert!(fp8_few_fits(token, rows.len(), gs[0].v));
-    let per = rows.len().div_ceil(rows.len().div_ceil(crate::simd::fp8_few_rows(token)));
+    // Up front: the FP8 block path adds into `buf`, so a kernel refusing half-way would corrupt it.
+    assert!(few_fits(token, rows.len(), kernel.v()));
+    let per = rows.len().div_ceil(rows.len().div_ceil(crate::simd::few_rows(token)));
     let mut lines = buf.chunks_mut(width);
     for chunk in rows.chunks(per) {
-        let (r8, o) = (a.fp8_rows(chunk), outer(chunk));
         let mut next = || four_groups(lines.next().expect("a row of the tile"), at);
         let done = match chunk.len() {
-            2 => crate::simd::fp8_few::<2>(token, gs, &r8, o.as_ref(), [next(), next()]),
-            3 => crate::simd::fp8_few::<3>(token, gs, &r8, o.as_ref(), [next(), next(), next()]),
-            4 => crate::simd::fp8_few::<4>(token, gs, &r8, o.as_ref(), [next(), next(), next(), next()]),
+            2 => kernel.run::<2>(chunk, [next(), next()]),
+            3 => kernel.run::<3>(chunk, [next(), next(), next()]),
+            4 => kernel.run::<4>(chunk, [next(), next(), next(), next()]),
             n => unreachable!("a chunk of {n} rows"), // 2 ≤ n ≤ 7 rows give chunks of 2 to 4
         };
-        assert!(done, "fp8_few_fits promised the kernel");
+        assert!(done, "few_fits promised the kernel");
     }
 }
 
@@ -467,7 +517,7 @@ mod tests {
     use crate::formats::scale_layout::ScaleLayout;
     use crate::kernels::team::Team;
     use crate::simd::fp4::group_scalar;
-    use crate::simd::{Isa, fp4_group_v, fp4_mr, fp4_row_v, fp8_few_rows, fp8_few_v, fp8_row_v, row_rows};
+    use crate::simd::{Isa, few_rows, fp4_group_v, fp4_mr, fp4_row_v, fp8_few_v, fp8_row_v, row_rows};
 
     /// The AVX-512 FP4 kernels with and without the VBMI nibble decode (the public tests reach
     /// only the one the CPU selects): bit for bit the scalar kernel, for the group kernel at
@@ -523,10 +573,12 @@ mod tests {
         }
     }
 
-    /// The AVX2 one-row FP4 kernel (two groups side by side) bit for bit the scalar kernel, NVFP4
-    /// and MXFP4, with every E2M1 code in the weights and every byte as a weight block scale
-    /// (zero, subnormal and the largest E4M3 scales; E8M0 from 2⁻¹²⁷ to the NaN byte, whose
-    /// products the kernels compute alike), over block counts from one upwards.
+    /// The AVX2 FP4 decode kernels — one row (two groups side by side) and the few-row kernel on
+    /// two to four rows (one group at a time) — bit for bit the scalar kernel, NVFP4 and MXFP4,
+    /// with every E2M1 code in the weights and every byte as a weight block scale (zero,
+    /// subnormal and the largest E4M3 scales; E8M0 from 2⁻¹²⁷ to the NaN byte, whose products the
+    /// kernels compute alike), over block counts from one upwards, and activations with the
+    /// largest corrections (blocks of ±6 only: |12 · Σa| at its bound).
     #[test]
     fn avx2_fp4_row_kernel_equals_the_scalar_kernel() {
         let Ok(token) = IsaToken::new(Some(Isa::Avx2)) else {
@@ -538,7 +590,20 @@ mod tests {
         let x = |i: usize, s: f32| ((i as f32) * s).sin() * (1.0 + (i % 7) as f32);
         for k in [32, 96, 224, 512] {
             let wf: Vec<f32> = (0..n * k).map(|i| x(i, 0.37)).collect();
-            let af: Vec<f32> = (0..2 * k).map(|i| x(i, 0.91) * if i % 5 == 0 { 1e3 } else { 1.0 }).collect();
+            // Row 2: +6 then −6 (after scaling) in alternate blocks; row 3: all −6.
+            let af: Vec<f32> = (0..4 * k)
+                .map(|i| match i / k {
+                    2 => {
+                        if (i % k / 16) % 2 == 0 {
+                            6.0
+                        } else {
+                            -6.0
+                        }
+                    }
+                    3 => -6.0,
+                    _ => x(i, 0.91) * if i % 5 == 0 { 1e3 } else { 1.0 },
+                })
+                .collect();
             for format in [BlockFormat::Nvfp4, BlockFormat::Mxfp4] {
                 let wq = quantize(format, &wf, n, k, nvfp4_global_scale(amax(&wf))).unwrap();
                 let lay = wq.as_ref().scale_layout();
@@ -556,15 +621,30 @@ mod tests {
                         wq.data().iter().flat_map(|b| [b & 15, b >> 4]).collect();
                     assert_eq!(codes.len(), 16, "every E2M1 code in the weights");
                 }
-                let aq = quantize(format, &af, 2, k, nvfp4_global_scale(amax(&af))).unwrap();
+                let aq = quantize(format, &af, 4, k, nvfp4_global_scale(amax(&af))).unwrap();
                 let (w, a) = (PackedWeights::new(wq.as_ref()), Fp4Acts::prepare(aq.as_ref(), token, Team::One));
                 let gs = std::array::from_fn(|g| w.fp4_group(g));
                 let bits = |x: [[f32; GROUP]; ROW_GROUPS]| x.map(|g| g.map(f32::to_bits));
-                for row in 0..2 {
-                    let (mut want, mut got) = ([[0f32; GROUP]; ROW_GROUPS], [[f32::NAN; GROUP]; ROW_GROUPS]);
-                    fp4_row_v(scalar, false, &gs, &a.fp4_rows(&[row]), [&mut want]);
+                let mut want = [[[0f32; GROUP]; ROW_GROUPS]; 4];
+                for (row, want) in want.iter_mut().enumerate() {
+                    let mut got = [[f32::NAN; GROUP]; ROW_GROUPS];
+                    fp4_row_v(scalar, false, &gs, &a.fp4_rows(&[row]), [want]);
                     fp4_row_v(token, false, &gs, &a.fp4_rows(&[row]), [&mut got]);
-                    assert_eq!(bits(got), bits(want), "{format:?} k {k} row {row}");
+                    assert_eq!(bits(got), bits(*want), "{format:?} k {k} row {row}");
+                }
+                for pick in [&[0usize, 1][..], &[2, 3, 0], &[3, 1, 2, 0]] {
+                    let mut got = [[[f32::NAN; GROUP]; ROW_GROUPS]; 4];
+                    let r = a.fp4_rows(pick);
+                    let [o0, o1, o2, o3] = &mut got;
+                    let done = match pick.len() {
+                        2 => crate::simd::fp4_few::<2>(token, &gs, &r, [o0, o1]),
+                        3 => crate::simd::fp4_few::<3>(token, &gs, &r, [o0, o1, o2]),
+                        _ => crate::simd::fp4_few::<4>(token, &gs, &r, [o0, o1, o2, o3]),
+                    };
+                    assert!(done, "AVX2 has a few-row FP4 kernel");
+                    for (got, &row) in got.iter().zip(pick) {
+                        assert_eq!(bits(*got), bits(want[row]), "{format:?} k {k} rows {pick:?}: row {row}");
+                    }
                 }
             }
         }
@@ -662,7 +742,7 @@ mod tests {
                     let got = [g0, g1].map(|x| x.map(|g| g.map(f32::to_bits)));
                     assert_eq!(got, want, "case {case}, {token:?}, f32-bits decode {bits}, two rows");
                 }
-                if fp8_few_rows(token) >= 2 {
+                if few_rows(token) >= 2 {
                     for pick in PICKS {
                         let got = few(token, bits, &gs, &a.fp8_rows(pick), None);
                         for (i, &r) in pick.iter().enumerate() {
@@ -740,7 +820,7 @@ mod tests {
                         let got = [g0, g1].map(|x| x.map(|g| g.map(f32::to_bits)));
                         assert_eq!(got, want, "case {case}, {token:?}, bits {bits}, spans of {sub}, two rows");
                     }
-                    if fp8_few_rows(token) >= 2 {
+                    if few_rows(token) >= 2 {
                         for pick in PICKS {
                             let last = pick.len() - 1;
                             let o = crate::simd::fp8::Outer {

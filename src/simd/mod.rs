@@ -745,13 +745,14 @@ pub(crate) fn fp8_row_outer<const R: usize>(
     fp8_row_v(token, fp8_bits_decode(), gs, rows, Some(outer), out)
 }
 
-/// The most rows [`fp8_few`] takes at once on `token`'s ISA: 4 on AVX2 (its few-row kernel), 0
-/// elsewhere (AVX-512 runs two rows in [`fp8_row`] and more in its eight-row group kernel).
-pub(crate) fn fp8_few_rows(token: IsaToken) -> usize {
+/// The most rows [`fp8_few`] and [`fp4_few`] take at once on `token`'s ISA: 4 on AVX2 (its
+/// few-row kernels), 0 elsewhere (AVX-512 runs two rows in [`fp8_row`] / [`fp4_row`] and more in
+/// its eight-row group kernels).
+pub(crate) fn few_rows(token: IsaToken) -> usize {
     if token.0 == Isa::Avx2 { 4 } else { 0 }
 }
 
-/// The MXFP8 / FP8 W8A8 kernel of a few rows (R = 2 ..= [`fp8_few_rows`]) on [`ROW_GROUPS`]
+/// The MXFP8 / FP8 W8A8 kernel of a few rows (R = 2 ..= [`few_rows`]) on [`ROW_GROUPS`]
 /// groups of the same weight, with [`Outer`] span scales or without: the bits of [`fp8_group`]
 /// on each group (of each span, combined as [`Outer`] says), each weight decoded once for the R
 /// rows. `false`, with `out` unwritten, where the ISA has no such kernel or the block is longer
@@ -840,17 +841,12 @@ pub(crate) fn fp4_row_v<const R: usize>(
     out: [&mut [[f32; GROUP]; ROW_GROUPS]; R],
 ) {
     assert!(rows.count() == R && R <= row_rows(token));
-    // The rows' lengths once (they depend only on kb, pairs and kind, which the groups share).
-    gs[0].check(rows);
-    for g in &gs[1..] {
-        g.check_group();
-        assert!(g.pairs == gs[0].pairs && g.kb == gs[0].kb && g.kind == gs[0].kind);
-    }
+    check_fp4_groups(gs, rows);
     match token.0 {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the token proves AVX-512 F, BW and VNNI were detected, `has_vbmi` VBMI;
-        // `check_group` proved every group's own lengths and `check` the rows' for `gs[0]`, which
-        // hold for every group since the groups share pairs, kb and kind (asserted above);
+        // `check_fp4_groups` proved every group's own lengths and the rows' for `gs[0]`, which
+        // hold for every group since the groups share pairs, kb and kind (asserted there);
         // `rows.count() == R` (asserted above).
         Isa::Avx512 | Isa::Avx512Bf16 if vbmi && has_vbmi() => unsafe {
             x86::fp4::fp4_row_avx512vbmi::<R>(gs, rows, out)
@@ -860,10 +856,45 @@ pub(crate) fn fp4_row_v<const R: usize>(
         Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::fp4::fp4_row_avx512::<R>(gs, rows, out) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the token proves AVX2 and FMA were detected; the groups' and rows' checks as
-        // above.
-        Isa::Avx2 => unsafe { x86::fp4::fp4_row_avx2::<R>(gs, rows, out) },
+        // above; two groups per pass divide ROW_GROUPS.
+        Isa::Avx2 => unsafe { x86::fp4::fp4_row_avx2::<R, 2>(gs, rows, out) },
         _ => by_group(gs, out, |g, tile| fp4_group_v(token, vbmi, g, rows, tile)),
     }
+}
+
+/// What the FP4 decode kernels' unchecked loads rely on: the rows' lengths once (they depend only
+/// on kb, pairs and kind, which the groups share), every group's own lengths, and one pairs, kb
+/// and kind for all of them.
+fn check_fp4_groups(gs: &[Fp4Group<'_>; ROW_GROUPS], rows: &Fp4Rows<'_>) {
+    gs[0].check(rows);
+    for g in &gs[1..] {
+        g.check_group();
+        assert!(g.pairs == gs[0].pairs && g.kb == gs[0].kb && g.kind == gs[0].kind);
+    }
+}
+
+/// The NVFP4 / MXFP4 kernel of a few rows (R = 2 ..= [`few_rows`]) on [`ROW_GROUPS`] groups of
+/// the same weight: the bits of [`fp4_group`] on each group, each weight vector decoded once for
+/// the R rows and each group's 64-byte lines used whole (both halves in turn). `false`, with
+/// `out` unwritten, where the ISA has no such kernel.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))] // only x86 has the kernel
+pub(crate) fn fp4_few<const R: usize>(
+    token: IsaToken,
+    gs: &[Fp4Group<'_>; ROW_GROUPS],
+    rows: &Fp4Rows<'_>,
+    out: [&mut [[f32; GROUP]; ROW_GROUPS]; R],
+) -> bool {
+    assert!(rows.count() == R && (2..=4).contains(&R));
+    check_fp4_groups(gs, rows);
+    match token.0 {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the token proves AVX2 and FMA were detected; `check_fp4_groups` proved every
+        // group's lengths and the rows' for all of them (asserted above); rows.count() == R
+        // (asserted); one group per pass divides ROW_GROUPS.
+        Isa::Avx2 => unsafe { x86::fp4::fp4_row_avx2::<R, 1>(gs, rows, out) },
+        _ => return false,
+    }
+    true
 }
 
 /// Rows per micro-tile of the plain kernel of `token` for weights of `kind`, and whether it takes

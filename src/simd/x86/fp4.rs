@@ -49,14 +49,33 @@ fn nibbles256(lut: __m256i, w: __m256i) -> (__m256i, __m256i) {
     (_mm256_shuffle_epi8(lut, lo), _mm256_shuffle_epi8(lut, hi))
 }
 
+/// `s16 + Σ (w + 12)·a` for one pair of activation i32s (`a.0` against the low nibbles, `a.1`
+/// against the high ones), in i16 (`vpmaddubsw`): the one dot step of the AVX2 FP4 kernels.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn dot256(s16: __m256i, (wl, wh): (__m256i, __m256i), (a0, a1): (__m256i, __m256i)) -> __m256i {
+    _mm256_add_epi16(s16, _mm256_add_epi16(_mm256_maddubs_epi16(wl, a0), _mm256_maddubs_epi16(wh, a1)))
+}
+
+/// The i16 sums a block of one row starts from: `−corr` (`corr = 12 · Σa`, the offset
+/// correction) in the low half of each i32 lane and 0 in the high half, so that the block end's
+/// `vpmaddwd` by ones subtracts it (no `vpsubd` per row and half). Exact: |corr| ≤ 12 · 12 · 32
+/// = 4608 and the block's sums per i16 lane stay below 4608 in magnitude (16 products of at most
+/// 24 · 12), so no lane leaves i16.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn start16(corr: i32) -> __m256i {
+    _mm256_set1_epi32(i32::from((-corr) as i16 as u16))
+}
+
 /// The end of a block for 8 columns of one row: `fma(Σ (w + 12)·a − corr, s, acc)`, from the
-/// block's i16 sums `s16`, with `s` the columns' weight scale bytes `sb` (widened to i32) times
+/// block's i16 sums `s16` (started at [`start16`]), with `s` the columns' weight scale bytes `sb` (widened to i32) times
 /// the row's scale `sc` (E5M3: `sb << 20` as f32 bits times the f32 bits `sc`; E8M0: the
 /// exponent `sb + sc` clamped to 0..=255). The one block end of the AVX2 FP4 kernels.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-fn end256(kind: ScaleKind, s16: __m256i, corr: i32, sb: __m256i, sc: u32, acc: __m256) -> __m256 {
-    let isum = _mm256_sub_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)), _mm256_set1_epi32(corr));
+fn end256(kind: ScaleKind, s16: __m256i, sb: __m256i, sc: u32, acc: __m256) -> __m256 {
+    let isum = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
     let s = match kind {
         ScaleKind::E5m3 => {
             _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32::<20>(sb)), _mm256_set1_ps(f32::from_bits(sc)))
@@ -87,7 +106,8 @@ unsafe fn fp4_block_avx2<const R: usize>(
 ) {
     let lut = _mm256_broadcastsi128_si256(_mm_loadu_si128_safe(&LUT));
     let v = g.pairs * 8;
-    let mut s16 = [_mm256_setzero_si256(); R];
+    // SAFETY: `check` proved corr[r] holds kb_total > kb values.
+    let mut s16: [__m256i; R] = std::array::from_fn(|r| start16(unsafe { get(rows.corr[r], kb) }));
     for p in 0..g.pairs {
         let off = (kb * g.pairs + p) * 64 + half * 32;
         if pf {
@@ -100,17 +120,15 @@ unsafe fn fp4_block_avx2<const R: usize>(
             let a = rows.a[r];
             // SAFETY: `check` proved a.len() ≥ kb_total · v ≥ kb · v + p · 8 + 8.
             let (a0, a1) = unsafe { (read_u32(a, kb * v + p * 8), read_u32(a, kb * v + p * 8 + 4)) };
-            let (a0, a1) = (_mm256_set1_epi32(a0), _mm256_set1_epi32(a1));
-            let t = _mm256_add_epi16(_mm256_maddubs_epi16(wl, a0), _mm256_maddubs_epi16(wh, a1));
-            s16[r] = _mm256_add_epi16(s16[r], t);
+            s16[r] = dot256(s16[r], (wl, wh), (_mm256_set1_epi32(a0), _mm256_set1_epi32(a1)));
         }
     }
     // SAFETY: `check` proved ws.len() ≥ kb_total · 16.
     let sb = unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(g.ws.as_ptr().add(kb * GROUP + half * 8).cast())) };
     for r in 0..R {
-        // SAFETY: `check` proved corr[r] and sc[r] hold kb_total > kb values.
-        let (corr, sc) = unsafe { (get(rows.corr[r], kb), get(rows.sc[r], kb)) };
-        acc[r] = end256(g.kind, s16[r], corr, sb, sc, acc[r]);
+        // SAFETY: `check` proved sc[r] holds kb_total > kb values.
+        let sc = unsafe { get(rows.sc[r], kb) };
+        acc[r] = end256(g.kind, s16[r], sb, sc, acc[r]);
     }
 }
 
@@ -154,8 +172,8 @@ pub(crate) unsafe fn fp4_group_avx2<const R: usize>(
     }
 }
 
-/// R activation rows (one, on AVX2: [`crate::simd::row_rows`]) against [`ROW_GROUPS`] adjacent
-/// 16-column groups (the decode shape), two groups at a time: the same arithmetic per column as
+/// R activation rows against [`ROW_GROUPS`] adjacent 16-column groups (the decode shape), P
+/// groups at a time (one row: two groups; a decode step's 2–4 rows: one): the same arithmetic per column as
 /// [`fp4_group_avx2`] (so the same bits: the i16 sums of a block are exact in any order, and the
 /// rest is the same operations per block in the same order), with each pair's activations
 /// broadcast and each block's row correction and scale read once for two groups and both halves
@@ -169,20 +187,24 @@ pub(crate) unsafe fn fp4_group_avx2<const R: usize>(
 /// Qwen2.5-0.5B from DRAM 0.91–0.93×, one layer back to back (L2/L3) 0.73–0.87×; MXFP4 0.80×
 /// (Llama, DRAM) and 0.79× (Qwen, hot).
 ///
+/// A decode step's 2–4 rows ([`crate::simd::fp4_few`]) take one group per pass: each weight
+/// vector decoded once for the rows, each 64-byte line used whole (both halves in turn), the
+/// block sums kept in `out` between blocks. Measured on AMD Zen 3 against the group kernel (which
+/// reads a group half by half), Llama-3-8B decode steps of 2–7 rows at 0.81–0.92× the time
+/// (MXFP4 with 2 rows unchanged), and the kernel alone on four L2-resident groups at 0.85–0.95×
+/// (docs/performance.md).
+///
 /// # Safety
 /// AVX2 and FMA must be available; `rows.count() == R`; every group has the same `pairs`, `kb`
 /// and `kind`, `check_group` passed for every group and `check(rows)` for one (so the rows'
-/// lengths hold for all).
+/// lengths hold for all); P divides [`ROW_GROUPS`].
 #[target_feature(enable = "avx2,fma")]
-pub(crate) unsafe fn fp4_row_avx2<const R: usize>(
+pub(crate) unsafe fn fp4_row_avx2<const R: usize, const P: usize>(
     gs: &[Fp4Group<'_>; ROW_GROUPS],
     rows: &Fp4Rows<'_>,
     mut out: [&mut [[f32; GROUP]; ROW_GROUPS]; R],
 ) {
-    /// Groups per pass.
-    const P: usize = 2;
-    const _: () = assert!(ROW_GROUPS.is_multiple_of(P));
-    debug_assert_eq!(rows.count(), R);
+    debug_assert!(rows.count() == R && ROW_GROUPS.is_multiple_of(P));
     let lut = _mm256_broadcastsi128_si256(_mm_loadu_si128_safe(&LUT));
     let (pairs, kbs, kind) = (gs[0].pairs, gs[0].kb, gs[0].kind);
     let v = pairs * 8;
@@ -198,10 +220,22 @@ pub(crate) unsafe fn fp4_row_avx2<const R: usize>(
             super::prefetch_heads(g.map(|g| g.ws), super::SCALES_AHEAD);
         }
         // [row][group][half]
+        // One group per pass (2–4 rows): the block accumulators live in `out` (read and written
+        // once per block), so that the rows' i16 sums, the table, the mask, the weight and its
+        // decode fit the sixteen ymm registers (measured on AMD Zen 3: kept in registers, the
+        // compiler spilled the i16 sums inside the pair loop). Two groups (one row): registers.
+        // (Either way for any R and P: the same sums, only where they are kept differs.)
         let mut acc = [[[_mm256_setzero_ps(); 2]; P]; R];
+        if P == 1 {
+            for o in out.iter_mut() {
+                o[pass] = [0.0; GROUP];
+            }
+        }
         for kb in 0..kbs {
-            // Per row, group and half, Σ (w + 12)·a over the block's k in i16: exact (|Σ| < 4608).
-            let mut s16 = [[[_mm256_setzero_si256(); 2]; P]; R];
+            // Per row, group and half, Σ (w + 12)·a − 12·Σa over the block in i16: exact ([`start16`]).
+            // SAFETY: `check` proved corr[r] holds kb_total > kb values.
+            let mut s16: [[[__m256i; 2]; P]; R] =
+                std::array::from_fn(|r| [[start16(unsafe { get(rows.corr[r], kb) }); 2]; P]);
             if pf && kb % 4 == 0 {
                 for g in g {
                     srun.prefetch(g.ws.as_ptr(), kb * GROUP + super::SCALES_AHEAD);
@@ -210,39 +244,73 @@ pub(crate) unsafe fn fp4_row_avx2<const R: usize>(
             for p in 0..pairs {
                 let off = (kb * pairs + p) * 64;
                 // SAFETY: `check` proved a.len() ≥ kb_total · v ≥ kb · v + p · 8 + 8.
-                let av: [(__m256i, __m256i); R] = std::array::from_fn(|r| unsafe {
+                let act = |r: usize| unsafe {
                     let a = rows.a[r];
                     (_mm256_set1_epi32(read_u32(a, kb * v + p * 8)), _mm256_set1_epi32(read_u32(a, kb * v + p * 8 + 4)))
-                });
+                };
+                // Two groups share each row's broadcasts; with one group per pass they are loaded
+                // where they are used (a broadcast from memory is a load, no vector operation).
+                let av: [(__m256i, __m256i); R] =
+                    std::array::from_fn(
+                        |r| if P > 1 { act(r) } else { (_mm256_setzero_si256(), _mm256_setzero_si256()) },
+                    );
                 for gi in 0..P {
                     if pf {
                         run.prefetch(g[gi].w.as_ptr(), off + PREFETCH);
                     }
-                    for half in 0..2 {
-                        // SAFETY: `check` proved g.w.len() ≥ kb_total · pairs · 64 for every group.
-                        let w = unsafe { _mm256_loadu_si256(g[gi].w.as_ptr().add(off + half * 32).cast()) };
-                        let (wl, wh) = nibbles256(lut, w);
+                    // SAFETY: `check` proved g.w.len() ≥ kb_total · pairs · 64 for every group.
+                    let load =
+                        |half: usize| unsafe { _mm256_loadu_si256(g[gi].w.as_ptr().add(off + half * 32).cast()) };
+                    if P == 1 {
+                        // Both halves decoded, then each row's broadcasts used for both: with the
+                        // halves in turn, 2–4 rows' eight broadcasts (loaded once for both) pushed
+                        // the i16 sums out of the registers (AMD Zen 3).
+                        let wd = [0, 1].map(|half| nibbles256(lut, load(half)));
                         for r in 0..R {
-                            let (a0, a1) = av[r];
-                            let t = _mm256_add_epi16(_mm256_maddubs_epi16(wl, a0), _mm256_maddubs_epi16(wh, a1));
-                            s16[r][gi][half] = _mm256_add_epi16(s16[r][gi][half], t);
+                            let a = act(r);
+                            for (half, &w) in wd.iter().enumerate() {
+                                s16[r][0][half] = dot256(s16[r][0][half], w, a);
+                            }
+                        }
+                    } else {
+                        // One row: the halves in turn, the broadcasts shared by both groups
+                        // (both halves decoded first measured 1.1× the time on AMD Zen 3).
+                        for half in 0..2 {
+                            let w = nibbles256(lut, load(half));
+                            for r in 0..R {
+                                s16[r][gi][half] = dot256(s16[r][gi][half], w, av[r]);
+                            }
                         }
                     }
                 }
             }
+            // The block's weight scale bytes, once for the rows.
+            let sb: [[__m256i; 2]; P] = std::array::from_fn(|gi| {
+                // SAFETY: `check` proved ws.len() ≥ kb_total · 16 for every group.
+                std::array::from_fn(|half| unsafe {
+                    _mm256_cvtepu8_epi32(_mm_loadl_epi64(g[gi].ws.as_ptr().add(kb * GROUP + half * 8).cast()))
+                })
+            });
             for r in 0..R {
-                // SAFETY: `check` proved corr[r] and sc[r] hold kb_total > kb values.
-                let (corr, sc) = unsafe { (get(rows.corr[r], kb), get(rows.sc[r], kb)) };
+                // SAFETY: `check` proved sc[r] holds kb_total > kb values.
+                let sc = unsafe { get(rows.sc[r], kb) };
                 for gi in 0..P {
                     for half in 0..2 {
-                        // SAFETY: `check` proved ws.len() ≥ kb_total · 16.
-                        let sb = unsafe {
-                            _mm256_cvtepu8_epi32(_mm_loadl_epi64(g[gi].ws.as_ptr().add(kb * GROUP + half * 8).cast()))
-                        };
-                        acc[r][gi][half] = end256(kind, s16[r][gi][half], corr, sb, sc, acc[r][gi][half]);
+                        if P == 1 {
+                            let o = out[r][pass][half * 8..half * 8 + 8].as_mut_ptr();
+                            // SAFETY: `o` points to 8 f32 of the output.
+                            unsafe {
+                                _mm256_storeu_ps(o, end256(kind, s16[r][0][half], sb[0][half], sc, _mm256_loadu_ps(o)))
+                            };
+                        } else {
+                            acc[r][gi][half] = end256(kind, s16[r][gi][half], sb[gi][half], sc, acc[r][gi][half]);
+                        }
                     }
                 }
             }
+        }
+        if P == 1 {
+            continue; // the sums are in `out`
         }
         for (o, acc) in out.iter_mut().zip(&acc) {
             for (gi, acc) in acc.iter().enumerate() {

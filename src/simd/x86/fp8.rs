@@ -642,11 +642,7 @@ pub(crate) unsafe fn fp8_rows_avx2<const R: usize, const G: usize, const BITS: b
                     // Weight k, columns 0..8 and 8..16 (the decodes of `fp8_row_avx2`).
                     // SAFETY: `check` proved g.w.len() ≥ kb · V · 16 ≥ (kk + 1) · 16.
                     let (w0, w1) = unsafe {
-                        if BITS {
-                            dec.k(p)
-                        } else {
-                            halves256(_mm256_cvtepu8_epi16(_mm_loadu_si128(p.cast())))
-                        }
+                        if BITS { dec.k(p) } else { halves256(_mm256_cvtepu8_epi16(_mm_loadu_si128(p.cast()))) }
                     };
                     for (s, u) in bs.iter_mut().zip(&up) {
                         let a = _mm256_set1_ps(u[i]);
