@@ -174,7 +174,7 @@ impl<'a, B: Element, O: Element> Fp8Operands<'a, B, O> {
                 g += ROW_GROUPS;
             }
         }
-        if super::operands::few_fits(token, rows.len(), w.format.vector_size()) {
+        if super::operands::few_fits(token, rows.len(), w.format.vector_size(), false) {
             // A few rows: the few-row kernel, each chunk with its rows' span scales.
             while g + ROW_GROUPS <= g1 {
                 let gs: [_; ROW_GROUPS] = std::array::from_fn(|i| w.fp8_group(g + i));

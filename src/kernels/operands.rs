@@ -194,7 +194,7 @@ impl Operands for Fp4Operands<'_> {
                 g0 += ROW_GROUPS;
             }
         }
-        if few_fits(token, rows.len(), self.w.format.vector_size()) {
+        if few_fits(token, rows.len(), self.w.format.vector_size(), self.w.format.is_fp4()) {
             // A few rows (a decode step's batch): each weight vector decoded once for up to four.
             while g0 + ROW_GROUPS <= g1 {
                 let at = g0 * GROUP - c0;
@@ -433,16 +433,21 @@ pub(crate) fn four_groups(row: &mut [f32], at: usize) -> &mut [[f32; GROUP]; ROW
     row[at..at + ROW_GROUPS * GROUP].as_chunks_mut::<GROUP>().0.try_into().expect("ROW_GROUPS groups")
 }
 
-/// Whether [`few_chunks`] runs `n` rows of a weight with blocks of `v` on `token`'s ISA: more
-/// rows than the decode kernels take and fewer than two of the group and tiled kernels' chunks.
-pub(crate) fn few_fits(token: IsaToken, n: usize, v: usize) -> bool {
-    let few = crate::simd::few_rows(token);
-    few >= 2 && n > crate::simd::row_rows(token) && n < 2 * crate::simd::fp4_mr(token) && v <= 32
+/// Whether [`few_chunks`] runs `n` rows of a weight with blocks of `v` (an FP4 format where
+/// `fp4`) on `token`'s ISA: more rows than the decode kernels take, and fewer than two of the
+/// tiled kernel's chunks (MXFP8, FP8 W8A8) or at most two of the group kernel's (NVFP4, MXFP4:
+/// 8 rows as 4 + 4 took 0.86–0.88× the time of the group kernel's two chunks, Llama-3-8B decode
+/// steps on AMD Zen 3, docs/performance.md).
+pub(crate) fn few_fits(token: IsaToken, n: usize, v: usize, fp4: bool) -> bool {
+    let (few, mr) = (crate::simd::few_rows(token), crate::simd::fp4_mr(token));
+    few >= 2 && n > crate::simd::row_rows(token) && (n < 2 * mr || fp4 && n == 2 * mr) && v <= 32
 }
 
 /// A few-row kernel ([`crate::simd::fp8_few`], [`crate::simd::fp4_few`]) on the four groups of
 /// one call, for [`few_chunks`].
 pub(crate) trait FewKernel {
+    /// Whether the weight is NVFP4 or MXFP4.
+    const FP4: bool;
     /// The weight's block length.
     fn v(&self) -> usize;
     /// The kernel on the R rows `chunk`, into `out[r]`; `false` where the ISA has none.
@@ -458,6 +463,7 @@ pub(crate) struct Fp8Few<'a, 'g, F> {
 }
 
 impl<'o, F: Fn(&[usize]) -> Option<crate::simd::fp8::Outer<'o>>> FewKernel for Fp8Few<'_, '_, F> {
+    const FP4: bool = false;
     fn v(&self) -> usize {
         self.gs[0].v
     }
@@ -474,6 +480,7 @@ pub(crate) struct Fp4Few<'a, 'g> {
 }
 
 impl FewKernel for Fp4Few<'_, '_> {
+    const FP4: bool = true;
     fn v(&self) -> usize {
         self.gs[0].pairs * 8
     }
@@ -483,18 +490,19 @@ impl FewKernel for Fp4Few<'_, '_> {
 }
 
 /// A few-row kernel on `rows` (where [`few_fits`]), in balanced chunks of at most
-/// [`crate::simd::few_rows`] rows (5 → 3 + 2, 6 → 3 + 3, 7 → 4 + 3; a later chunk reads the
-/// groups again from L2): row i's sums into `buf[i · width + at ..]`, the four groups' 64 columns.
-pub(crate) fn few_chunks(
+/// [`crate::simd::few_rows`] rows (5 → 3 + 2, 6 → 3 + 3, 7 → 4 + 3, 8 → 4 + 4; a later chunk
+/// reads the groups again from L2): row i's sums into `buf[i · width + at ..]`, the four groups'
+/// 64 columns.
+pub(crate) fn few_chunks<K: FewKernel>(
     token: IsaToken,
-    kernel: &impl FewKernel,
+    kernel: &K,
     rows: &[usize],
     buf: &mut [f32],
     width: usize,
     at: usize,
 ) {
     // Up front: the FP8 block path adds into `buf`, so a kernel refusing half-way would corrupt it.
-    assert!(few_fits(token, rows.len(), kernel.v()));
+    assert!(few_fits(token, rows.len(), kernel.v(), K::FP4));
     let per = rows.len().div_ceil(rows.len().div_ceil(crate::simd::few_rows(token)));
     let mut lines = buf.chunks_mut(width);
     for chunk in rows.chunks(per) {
@@ -503,7 +511,7 @@ pub(crate) fn few_chunks(
             2 => kernel.run::<2>(chunk, [next(), next()]),
             3 => kernel.run::<3>(chunk, [next(), next(), next()]),
             4 => kernel.run::<4>(chunk, [next(), next(), next(), next()]),
-            n => unreachable!("a chunk of {n} rows"), // 2 ≤ n ≤ 7 rows give chunks of 2 to 4
+            n => unreachable!("a chunk of {n} rows"), // 2 ≤ n ≤ 8 rows give chunks of 2 to 4
         };
         assert!(done, "few_fits promised the kernel");
     }

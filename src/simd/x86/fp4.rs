@@ -190,7 +190,7 @@ pub(crate) unsafe fn fp4_group_avx2<const R: usize>(
 /// A decode step's 2–4 rows ([`crate::simd::fp4_few`]) take one group per pass: each weight
 /// vector decoded once for the rows, each 64-byte line used whole (both halves in turn), the
 /// block sums kept in `out` between blocks. Measured on AMD Zen 3 against the group kernel (which
-/// reads a group half by half), Llama-3-8B decode steps of 2–7 rows at 0.81–0.92× the time
+/// reads a group half by half), Llama-3-8B decode steps of 2–8 rows at 0.81–0.94× the time
 /// (MXFP4 with 2 rows unchanged), and the kernel alone on four L2-resident groups at 0.85–0.95×
 /// (docs/performance.md).
 ///
