@@ -69,9 +69,10 @@ fn start16(corr: i32) -> __m256i {
 }
 
 /// The end of a block for 8 columns of one row: `fma(Σ (w + 12)·a − corr, s, acc)`, from the
-/// block's i16 sums `s16` (started at [`start16`]), with `s` the columns' weight scale bytes `sb` (widened to i32) times
-/// the row's scale `sc` (E5M3: `sb << 20` as f32 bits times the f32 bits `sc`; E8M0: the
-/// exponent `sb + sc` clamped to 0..=255). The one block end of the AVX2 FP4 kernels.
+/// block's i16 sums `s16` (started at [`start16`]), with `s` the columns' weight scale bytes `sb`
+/// (widened to i32) times the row's scale `sc` (E5M3: `sb << 20` as f32 bits times the f32 bits
+/// `sc`; E8M0: the exponent `sb + sc` clamped to 0..=255). The one block end of the AVX2 FP4
+/// kernels.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 fn end256(kind: ScaleKind, s16: __m256i, sb: __m256i, sc: u32, acc: __m256) -> __m256 {
@@ -172,20 +173,20 @@ pub(crate) unsafe fn fp4_group_avx2<const R: usize>(
     }
 }
 
-/// R activation rows against [`ROW_GROUPS`] adjacent 16-column groups (the decode shape), P
-/// groups at a time (one row: two groups; a decode step's 2–4 rows: one): the same arithmetic per column as
-/// [`fp4_group_avx2`] (so the same bits: the i16 sums of a block are exact in any order, and the
-/// rest is the same operations per block in the same order), with each pair's activations
-/// broadcast and each block's row correction and scale read once for two groups and both halves
-/// instead of once per half, and four integer and four f32 chains instead of two each. Two
-/// groups, not four: sixteen ymm registers hold two groups' eight accumulators beside the table,
-/// the mask and the activations. Past a group's end the weight and scale prefetches go to the
-/// next pass's groups (`RunOn`: one group at a time, the single stream ran on into its next
-/// group by itself; two side by side without it were 1.07–1.10× the one-group kernel's time
-/// from DRAM). Measured on AMD Zen 3, one row, paired call by call against the one-group kernel
-/// (docs/performance.md): NVFP4 Llama-3-8B from DRAM 0.82× the time (one thread), 0.86× (two);
-/// Qwen2.5-0.5B from DRAM 0.91–0.93×, one layer back to back (L2/L3) 0.73–0.87×; MXFP4 0.80×
-/// (Llama, DRAM) and 0.79× (Qwen, hot).
+/// R activation rows against [`ROW_GROUPS`] adjacent 16-column groups (the decode shape), P groups
+/// at a time (one row: two groups; a decode step's 2–4 rows: one): the same arithmetic per column
+/// as [`fp4_group_avx2`] (so the same bits: the i16 sums of a block are exact in any order, and the
+/// rest is the same operations per block in the same order), with each pair's activations broadcast
+/// and each block's row correction and scale read once for two groups and both halves instead of
+/// once per half, and four integer and four f32 chains instead of two each. Two groups, not four:
+/// sixteen ymm registers hold two groups' eight accumulators beside the table, the mask and the
+/// activations. Past a group's end the weight and scale prefetches go to the next pass's groups
+/// (`RunOn`: one group at a time, the single stream ran on into its next group by itself; two side
+/// by side without it were 1.07–1.10× the one-group kernel's time from DRAM). Measured on AMD Zen
+/// 3, one row, paired call by call against the one-group kernel (docs/performance.md): NVFP4
+/// Llama-3-8B from DRAM 0.82× the time (one thread), 0.86× (two); Qwen2.5-0.5B from DRAM
+/// 0.91–0.93×, one layer back to back (L2/L3) 0.73–0.87×; MXFP4 0.80× (Llama, DRAM) and 0.79×
+/// (Qwen, hot).
 ///
 /// A decode step's 2–4 rows ([`crate::simd::fp4_few`]) take one group per pass: each weight
 /// vector decoded once for the rows, each 64-byte line used whole (both halves in turn), the
@@ -232,7 +233,8 @@ pub(crate) unsafe fn fp4_row_avx2<const R: usize, const P: usize>(
             }
         }
         for kb in 0..kbs {
-            // Per row, group and half, Σ (w + 12)·a − 12·Σa over the block in i16: exact ([`start16`]).
+            // Per row, group and half, Σ (w + 12)·a − 12·Σa over the block in i16: exact
+            // ([`start16`]).
             // SAFETY: `check` proved corr[r] holds kb_total > kb values.
             let mut s16: [[[__m256i; 2]; P]; R] =
                 std::array::from_fn(|r| [[start16(unsafe { get(rows.corr[r], kb) }); 2]; P]);
