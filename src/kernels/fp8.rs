@@ -187,7 +187,7 @@ impl<'a, B: Element, O: Element> Fp8Operands<'a, B, O> {
                     })
                 };
                 let kernel = super::operands::Fp8Few { token, gs: &gs, a, outer };
-                super::operands::few_chunks(token, &kernel, rows, buf, width, g * GROUP - c0);
+                super::operands::few_chunks(&kernel, rows, buf, width, g * GROUP - c0);
                 g += ROW_GROUPS;
             }
         }

@@ -200,17 +200,10 @@ impl Operands for Fp4Operands<'_> {
                 let at = g0 * GROUP - c0;
                 if self.w.format.is_fp4() {
                     let gs = std::array::from_fn(|i| self.w.fp4_group(g0 + i));
-                    few_chunks(token, &Fp4Few { token, gs: &gs, a: self.a }, rows, buf, width, at);
+                    few_chunks(&Fp4Few { token, gs: &gs, a: self.a }, rows, buf, width, at);
                 } else {
                     let gs = std::array::from_fn(|i| self.w.fp8_group(g0 + i));
-                    few_chunks(
-                        token,
-                        &Fp8Few { token, gs: &gs, a: self.a, outer: |_: &[usize]| None },
-                        rows,
-                        buf,
-                        width,
-                        at,
-                    );
+                    few_chunks(&Fp8Few { token, gs: &gs, a: self.a, outer: |_: &[usize]| None }, rows, buf, width, at);
                 }
                 g0 += ROW_GROUPS;
             }
@@ -446,10 +439,10 @@ pub(crate) fn few_fits(token: IsaToken, n: usize, v: usize, fp4: bool) -> bool {
 /// A few-row kernel ([`crate::simd::fp8_few`], [`crate::simd::fp4_few`]) on the four groups of
 /// one call, for [`few_chunks`].
 pub(crate) trait FewKernel {
-    /// Whether the weight is NVFP4 or MXFP4.
-    const FP4: bool;
-    /// The weight's block length.
-    fn v(&self) -> usize;
+    /// The ISA the kernel runs on.
+    fn token(&self) -> IsaToken;
+    /// Whether it runs `n` rows ([`few_fits`] for its weight's format).
+    fn fits(&self, n: usize) -> bool;
     /// The kernel on the R rows `chunk`, into `out[r]`; `false` where the ISA has none.
     fn run<const R: usize>(&self, chunk: &[usize], out: [&mut [[f32; GROUP]; ROW_GROUPS]; R]) -> bool;
 }
@@ -463,9 +456,11 @@ pub(crate) struct Fp8Few<'a, 'g, F> {
 }
 
 impl<'o, F: Fn(&[usize]) -> Option<crate::simd::fp8::Outer<'o>>> FewKernel for Fp8Few<'_, '_, F> {
-    const FP4: bool = false;
-    fn v(&self) -> usize {
-        self.gs[0].v
+    fn token(&self) -> IsaToken {
+        self.token
+    }
+    fn fits(&self, n: usize) -> bool {
+        few_fits(self.token, n, self.gs[0].v, false)
     }
     fn run<const R: usize>(&self, chunk: &[usize], out: [&mut [[f32; GROUP]; ROW_GROUPS]; R]) -> bool {
         crate::simd::fp8_few::<R>(self.token, self.gs, &self.a.fp8_rows(chunk), (self.outer)(chunk).as_ref(), out)
@@ -480,9 +475,11 @@ pub(crate) struct Fp4Few<'a, 'g> {
 }
 
 impl FewKernel for Fp4Few<'_, '_> {
-    const FP4: bool = true;
-    fn v(&self) -> usize {
-        self.gs[0].pairs * 8
+    fn token(&self) -> IsaToken {
+        self.token
+    }
+    fn fits(&self, n: usize) -> bool {
+        few_fits(self.token, n, self.gs[0].pairs * 8, true)
     }
     fn run<const R: usize>(&self, chunk: &[usize], out: [&mut [[f32; GROUP]; ROW_GROUPS]; R]) -> bool {
         crate::simd::fp4_few::<R>(self.token, self.gs, &self.a.fp4_rows(chunk), out)
@@ -493,17 +490,10 @@ impl FewKernel for Fp4Few<'_, '_> {
 /// [`crate::simd::few_rows`] rows (5 → 3 + 2, 6 → 3 + 3, 7 → 4 + 3, 8 → 4 + 4; a later chunk
 /// reads the groups again from L2): row i's sums into `buf[i · width + at ..]`, the four groups'
 /// 64 columns.
-pub(crate) fn few_chunks<K: FewKernel>(
-    token: IsaToken,
-    kernel: &K,
-    rows: &[usize],
-    buf: &mut [f32],
-    width: usize,
-    at: usize,
-) {
+pub(crate) fn few_chunks<K: FewKernel>(kernel: &K, rows: &[usize], buf: &mut [f32], width: usize, at: usize) {
     // Up front: the FP8 block path adds into `buf`, so a kernel refusing half-way would corrupt it.
-    assert!(few_fits(token, rows.len(), kernel.v(), K::FP4));
-    let per = rows.len().div_ceil(rows.len().div_ceil(crate::simd::few_rows(token)));
+    assert!(kernel.fits(rows.len()));
+    let per = rows.len().div_ceil(rows.len().div_ceil(crate::simd::few_rows(kernel.token())));
     let mut lines = buf.chunks_mut(width);
     for chunk in rows.chunks(per) {
         let mut next = || four_groups(lines.next().expect("a row of the tile"), at);
