@@ -127,8 +127,17 @@ impl Fp4Operands<'_> {
     /// MXFP8 tiles of at least two row chunks, through `crate::simd::fp8_tiled` (weights decoded
     /// once per tile, not once per row chunk). Measured on the Llama-3-8B shape at M = 512,
     /// 1 thread, Intel Xeon: 68 → 100 GFLOP/s; AVX2 on AMD Zen 3: 22–28 → 37–63 GFLOP/s
-    /// (docs/performance.md).
-    fn fp8_tiled(&self, token: IsaToken, rows: &[usize], g0: usize, g1: usize, buf: &mut [f32]) {
+    /// (docs/performance.md). Groups `g0 .. g1` of the tile's rows, row i's sums into
+    /// `buf[i · width + at ..]` (a few-row kernel may have taken the tile's first groups).
+    fn fp8_tiled(
+        &self,
+        token: IsaToken,
+        rows: &[usize],
+        (g0, g1): (usize, usize),
+        buf: &mut [f32],
+        width: usize,
+        at: usize,
+    ) {
         let mr = crate::simd::fp4_mr(token);
         let n = rows.len().div_ceil(mr);
         assert!(n <= MAX_CHUNKS, "a tile of {} rows", rows.len());
@@ -137,10 +146,9 @@ impl Fp4Operands<'_> {
             self.a.fp8_rows(&rows[i * mr..((i + 1) * mr).min(rows.len())])
         };
         let chunks: [_; MAX_CHUNKS] = std::array::from_fn(chunk);
-        let width = (g1 - g0) * GROUP;
         FP8_DECODED.with_borrow_mut(|wd| {
             let group = |i: usize| self.w.fp8_group(g0 + i);
-            crate::simd::fp8_tiled(token, g1 - g0, group, &chunks[..n], buf, width, wd);
+            crate::simd::fp8_tiled(token, g1 - g0, group, &chunks[..n], &mut buf[at..], width, wd);
         });
     }
 }
@@ -208,8 +216,8 @@ impl Operands for Fp4Operands<'_> {
                 g0 += ROW_GROUPS;
             }
         }
-        if !self.w.format.is_fp4() && rows.len() >= 2 * mr && crate::simd::fp8_decodes(token) {
-            return self.fp8_tiled(token, rows, g0, g1, buf);
+        if !self.w.format.is_fp4() && rows.len() >= 2 * mr && crate::simd::fp8_decodes(token) && g0 < g1 {
+            return self.fp8_tiled(token, rows, (g0, g1), buf, width, g0 * GROUP - c0);
         }
         for g in g0..g1 {
             let group = self.w.format.is_fp4().then(|| self.w.fp4_group(g));
@@ -427,13 +435,14 @@ pub(crate) fn four_groups(row: &mut [f32], at: usize) -> &mut [[f32; GROUP]; ROW
 }
 
 /// Whether [`few_chunks`] runs `n` rows of a weight with blocks of `v` (an FP4 format where
-/// `fp4`) on `token`'s ISA: more rows than the decode kernels take, and fewer than two of the
-/// tiled kernel's chunks (MXFP8, FP8 W8A8) or at most two of the group kernel's (NVFP4, MXFP4:
-/// 8 rows as 4 + 4 took 0.86–0.88× the time of the group kernel's two chunks, Llama-3-8B decode
-/// steps on AMD Zen 3, docs/performance.md).
+/// `fp4`) on `token`'s ISA: more rows than the decode kernels take, and up to two of the tiled
+/// kernel's chunks (MXFP8, FP8 W8A8) or four of the group kernel's (NVFP4, MXFP4). Measured on
+/// Llama-3-8B decode steps, AMD Zen 3 (docs/performance.md): FP4 at 8 rows 0.81–0.94×, at 12
+/// rows ~0.75× the time of the group kernel; MXFP8 at 8 rows ~0.86×, FP8 128-block ~0.70× the
+/// tiled kernel's, but MXFP8 and FP8 per tensor at 12 and 16 rows no faster or slower.
 pub(crate) fn few_fits(token: IsaToken, n: usize, v: usize, fp4: bool) -> bool {
     let (few, mr) = (crate::simd::few_rows(token), crate::simd::fp4_mr(token));
-    few >= 2 && n > crate::simd::row_rows(token) && (n < 2 * mr || fp4 && n == 2 * mr) && v <= 32
+    few >= 2 && n > crate::simd::row_rows(token) && n <= if fp4 { 4 * mr } else { 2 * mr } && v <= 32
 }
 
 /// A few-row kernel ([`crate::simd::fp8_few`], [`crate::simd::fp4_few`]) on the four groups of
@@ -487,21 +496,27 @@ impl FewKernel for Fp4Few<'_, '_> {
 }
 
 /// A few-row kernel on `rows` (where [`few_fits`]), in balanced chunks of at most
-/// [`crate::simd::few_rows`] rows (5 → 3 + 2, 6 → 3 + 3, 7 → 4 + 3, 8 → 4 + 4; a later chunk
-/// reads the groups again from L2): row i's sums into `buf[i · width + at ..]`, the four groups'
-/// 64 columns.
+/// [`crate::simd::few_rows`] rows (5 → 3 + 2, 7 → 4 + 3, 9 → 3 + 3 + 3, 13 → 4 + 3 + 3 + 3; a
+/// later chunk reads the groups again from L2): row i's sums into `buf[i · width + at ..]`, the
+/// four groups' 64 columns.
 pub(crate) fn few_chunks<K: FewKernel>(kernel: &K, rows: &[usize], buf: &mut [f32], width: usize, at: usize) {
     // Up front: the FP8 block path adds into `buf`, so a kernel refusing half-way would corrupt it.
     assert!(kernel.fits(rows.len()));
-    let per = rows.len().div_ceil(rows.len().div_ceil(crate::simd::few_rows(kernel.token())));
+    // c chunks of n / c rows, the first n mod c of them one more: at least 2 rows each, since
+    // n ≥ 2 and c = ⌈n / 4⌉ give n ≥ 2c (`rows.chunks(⌈n / c⌉)` left 13 as 4 + 4 + 4 + 1).
+    let n = rows.len();
+    let c = n.div_ceil(crate::simd::few_rows(kernel.token()));
     let mut lines = buf.chunks_mut(width);
-    for chunk in rows.chunks(per) {
+    let mut first = 0;
+    for i in 0..c {
+        let chunk = &rows[first..first + n / c + usize::from(i < n % c)];
+        first += chunk.len();
         let mut next = || four_groups(lines.next().expect("a row of the tile"), at);
         let done = match chunk.len() {
             2 => kernel.run::<2>(chunk, [next(), next()]),
             3 => kernel.run::<3>(chunk, [next(), next(), next()]),
             4 => kernel.run::<4>(chunk, [next(), next(), next(), next()]),
-            n => unreachable!("a chunk of {n} rows"), // 2 ≤ n ≤ 8 rows give chunks of 2 to 4
+            n => unreachable!("a chunk of {n} rows"), // c = ⌈n / 4⌉ chunks of n ≥ 2 rows: 2 to 4
         };
         assert!(done, "few_fits promised the kernel");
     }

@@ -232,10 +232,12 @@ fn fp8_every_isa_bit_identical_and_within_the_bound() {
 
 #[test]
 fn fp8_real_shape_decode_and_prefill() {
-    // Qwen2.5-0.5B's QKV (K = 896, N = 1152) at M = 1, 2 and 40, every granularity.
+    // Qwen2.5-0.5B's QKV (K = 896, N = 1152) at M = 1, 2, 8 (AVX2's few-row kernel, 4 + 4) and
+    // 40, every granularity.
     let isas = isas();
     let mut rng = Rng::new(5);
-    for (gran, lens) in [(0, vec![1]), (1, vec![2]), (2, vec![1]), (2, vec![2]), (2, vec![31, 9]), (1, vec![40])] {
+    let cases = [(0, vec![1]), (1, vec![2]), (2, vec![1]), (2, vec![2]), (2, vec![31, 9]), (1, vec![40])];
+    for (gran, lens) in cases.into_iter().chain([(0, vec![3, 5]), (2, vec![4, 4])]) {
         let mut cfg = random_cfg(&mut rng, true);
         (cfg.k, cfg.hq, cfg.hkv, cfg.hd, cfg.mla, cfg.bias) = (896, 14, 2, 64, None, true);
         cfg.cache_lengths = lens.iter().map(|_| 3).collect();

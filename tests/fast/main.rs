@@ -226,8 +226,8 @@ fn real_shapes_and_adversarial_scales() {
 
 /// Decode: the one-row kernels (FP4 and MXFP8) take four column groups per call, and on AVX-512
 /// the MXFP8 one takes two rows (two sequences of one token each, or one of two); a decode step's
-/// 3, 4, 7 and 8 rows take AVX2's few-row kernels (7 in chunks of 4 and 3; 8 only FP4: MXFP8
-/// takes its tiled kernel). Head sizes of
+/// 3, 4, 7, 8, 13 and 16 rows take AVX2's few-row kernels (7 in chunks of 4 and 3, 13 of 4, 3, 3
+/// and 3; 13 and 16 only FP4: MXFP8 takes its tiled kernel from 9 rows). Head sizes of
 /// 16, 64, 128 and 48 columns give panels of 1 to 8 groups: whole four-group calls, remainders,
 /// and panels with no four-group call at all; a tiny `tensor_sf` checks the subnormal end.
 #[test]
@@ -244,6 +244,8 @@ fn decode_row_kernel_is_bit_identical() {
                 (f, vec![2, 2]),
                 (f, vec![3, 4]),
                 (f, vec![4, 4]),
+                (f, vec![4, 4, 5]),
+                (f, vec![4, 4, 4, 4]),
             ]
         }) {
             let c = Config {
