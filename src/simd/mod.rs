@@ -888,13 +888,15 @@ pub(crate) fn fp4_few<const R: usize>(
     check_fp4_groups(gs, rows);
     match token.0 {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: the token proves AVX2 and FMA were detected; `check_fp4_groups` proved every
-        // group's lengths and the rows' for all of them (asserted above); rows.count() == R
-        // (asserted); one group per pass divides ROW_GROUPS.
-        Isa::Avx2 => unsafe { x86::fp4::fp4_row_avx2::<R, 1>(gs, rows, out) },
-        _ => return false,
+        Isa::Avx2 => {
+            // SAFETY: the token proves AVX2 and FMA were detected; `check_fp4_groups` proved
+            // every group's lengths and the rows' for all of them (asserted above);
+            // rows.count() == R (asserted); one group per pass divides ROW_GROUPS.
+            unsafe { x86::fp4::fp4_row_avx2::<R, 1>(gs, rows, out) };
+            true
+        }
+        _ => false,
     }
-    true
 }
 
 /// Rows per micro-tile of the plain kernel of `token` for weights of `kind`, and whether it takes
@@ -943,6 +945,7 @@ pub(crate) fn plain_kc(token: IsaToken) -> usize {
 /// faster, and f32 weights (a group of 256 KiB, half of Zen 3's L2) lost with whole groups at 8
 /// rows (507–557 → 601–657 ms) and gained nothing at 4: they keep [`DECODE_ROWS`], as do the
 /// other ISAs (AVX-512 and NEON were not measured with more).
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))] // only x86 streams more rows
 pub(crate) fn plain_stream_rows(token: IsaToken, kind: PlainKind) -> usize {
     match token.0 {
         #[cfg(target_arch = "x86_64")]
