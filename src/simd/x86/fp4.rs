@@ -250,35 +250,34 @@ pub(crate) unsafe fn fp4_row_avx2<const R: usize, const P: usize>(
                     let a = rows.a[r];
                     (_mm256_set1_epi32(read_u32(a, kb * v + p * 8)), _mm256_set1_epi32(read_u32(a, kb * v + p * 8 + 4)))
                 };
-                // Two groups share each row's broadcasts; with one group per pass they are loaded
-                // where they are used (a broadcast from memory is a load, no vector operation).
-                let av: [(__m256i, __m256i); R] =
-                    std::array::from_fn(
-                        |r| if P > 1 { act(r) } else { (_mm256_setzero_si256(), _mm256_setzero_si256()) },
-                    );
-                for gi in 0..P {
+                // SAFETY: `check` proved g.w.len() ≥ kb_total · pairs · 64 for every group.
+                let load = |gi: usize, half: usize| unsafe {
+                    _mm256_loadu_si256(g[gi].w.as_ptr().add(off + half * 32).cast())
+                };
+                if P == 1 {
                     if pf {
-                        run.prefetch(g[gi].w.as_ptr(), off + PREFETCH);
+                        run.prefetch(g[0].w.as_ptr(), off + PREFETCH);
                     }
-                    // SAFETY: `check` proved g.w.len() ≥ kb_total · pairs · 64 for every group.
-                    let load =
-                        |half: usize| unsafe { _mm256_loadu_si256(g[gi].w.as_ptr().add(off + half * 32).cast()) };
-                    if P == 1 {
-                        // Both halves decoded, then each row's broadcasts used for both: with the
-                        // halves in turn, 2–4 rows' eight broadcasts (loaded once for both) pushed
-                        // the i16 sums out of the registers (AMD Zen 3).
-                        let wd = [0, 1].map(|half| nibbles256(lut, load(half)));
-                        for r in 0..R {
-                            let a = act(r);
-                            for (half, &w) in wd.iter().enumerate() {
-                                s16[r][0][half] = dot256(s16[r][0][half], w, a);
-                            }
+                    // Both halves decoded, then each row's broadcasts loaded and used for both:
+                    // with the halves in turn, 2–4 rows' eight broadcasts (loaded once for both)
+                    // pushed the i16 sums out of the registers (AMD Zen 3).
+                    let wd = [0, 1].map(|half| nibbles256(lut, load(0, half)));
+                    for r in 0..R {
+                        let a = act(r);
+                        for (half, &w) in wd.iter().enumerate() {
+                            s16[r][0][half] = dot256(s16[r][0][half], w, a);
                         }
-                    } else {
-                        // One row: the halves in turn, the broadcasts shared by both groups
-                        // (both halves decoded first measured 1.1× the time on AMD Zen 3).
+                    }
+                } else {
+                    // One row: its broadcasts shared by the groups, the halves in turn (both halves
+                    // decoded first measured 1.1× the time on AMD Zen 3).
+                    let av: [(__m256i, __m256i); R] = std::array::from_fn(act);
+                    for gi in 0..P {
+                        if pf {
+                            run.prefetch(g[gi].w.as_ptr(), off + PREFETCH);
+                        }
                         for half in 0..2 {
-                            let w = nibbles256(lut, load(half));
+                            let w = nibbles256(lut, load(gi, half));
                             for r in 0..R {
                                 s16[r][gi][half] = dot256(s16[r][gi][half], w, av[r]);
                             }
