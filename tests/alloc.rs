@@ -7,8 +7,8 @@ use paged_qkv::fast::{self, PackedPlainWeights, PackedWeights, QkvFp4PackedArgs,
 use paged_qkv::formats::quantize::{amax, nvfp4_global_scale, quantize};
 use paged_qkv::ops::{Freqs, QkvRope};
 use paged_qkv::{
-    BlockFormat, CacheShape, Exec, Isa, KvSel, KvStoreRaggedArgs, KvWrite, PageTable, PagedKvCache, Par, RopeMath,
-    RopeRaggedArgs, bf16,
+    BlockFormat, CacheShape, E4M3, Exec, Isa, KvScales, KvSel, KvStoreRaggedArgs, KvWrite, PageTable, PagedKvCache,
+    Par, RopeMath, RopeRaggedArgs, bf16,
 };
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -183,7 +183,7 @@ fn packed_bf16_calls_do_not_allocate_in_steady_state() {
     }
 }
 
-/// The standalone RoPE (both pairings) and the KV store, up to a 200-row prefill (slot validation
+/// The standalone RoPE (both pairings; and on a quantized cache) and the KV store, up to a 200-row prefill (slot validation
 /// sorted with a stable sort, which allocates a buffer for that many rows).
 #[test]
 fn rope_and_kv_store_calls_do_not_allocate_in_steady_state() {
@@ -202,6 +202,18 @@ fn rope_and_kv_store_calls_do_not_allocate_in_steady_state() {
         });
         assert!(found.iter().all(|f| f.3 == 0), "interleaved {interleaved}: (M, par, ISA, allocations) {found:?}");
     }
+    // The same RoPE on an FP8-quantized cache (scales per 64 values): dequantized, rotated and
+    // requantized row by row, its K row staged without a heap buffer.
+    let mut codes = PagedKvCache::<E4M3>::zeros(CacheShape::mha(16, 1, 16, HKV, HEAD).unwrap());
+    let mut scales = KvScales::zeros(codes.shape(), 64).unwrap();
+    let found = steady(&[1, 9, M], |m, exec| {
+        let offsets = [0u32, m as u32];
+        let table = PageTable::new(&lookup, 16, &[3]).unwrap();
+        let mut kv = KvWrite::new(codes.view_mut(), table, 0).with_scales(scales.view_mut());
+        let args = RopeRaggedArgs::new(&q[..m * HQ * HEAD], &offsets, (HQ, HEAD), &freqs, HEAD, false);
+        fast::rope_ragged(&args, &mut out[..m * HQ * HEAD], &mut kv, RopeMath::F32, exec).unwrap();
+    });
+    assert!(found.iter().all(|f| f.3 == 0), "quantized cache: (M, par, ISA, allocations) {found:?}");
     let values: Vec<bf16> = (0..M * HKV * HEAD).map(|i| bf16::from_f32(((i as f32) * 0.3).cos())).collect();
     let found = steady(&[1, 9, M], |m, exec| {
         let offsets = [0u32, m as u32];

@@ -448,6 +448,10 @@ pub(crate) fn rope_rows<T: Element, F: Element, C: Element>(
 /// One row's rotation: `(row, freqs row, buffers, output row, K row)`.
 type Rotate<'a, T> = dyn Fn(usize, usize, &mut Bufs, &mut [T], &mut [T]) + Sync + 'a;
 
+/// The most K values of a row [`rope_rows_quant`] stages on the stack (8 KV heads of 128: Llama-3,
+/// Mixtral; 4 KiB of f32); longer rows use a buffer on the heap.
+const STAGE_K: usize = 1024;
+
 /// Runs a validated RoPE call into an FP8-quantized cache ([semantics §3.1](crate::semantics)),
 /// one pass per row: the K of the row's slot is dequantized into `T` (`T(code · scale)`, the
 /// values the oracle stages), rotated together with the row's Q heads by the kernels
@@ -477,11 +481,19 @@ pub(crate) fn rope_rows_quant<T: Element, F: Element>(
     // One pass over the rows with `rotate(row, freqs row, buffers, output row, K row)`: the
     // rotation of `rope_rows`, its path decided once for the call.
     let mut rows = |rotate: &Rotate<'_, T>| {
-        let init = || (bufs(), Pooled::<f32>::new(), Vec::<T>::new());
+        // The K row staged in `T`: on the share's stack up to `STAGE_K` values, so that a
+        // steady-state call allocates nothing (`Pooled` has no free lists for the element types).
+        let init = || (bufs(), Pooled::<f32>::new(), [T::default(); STAGE_K], Vec::<T>::new());
         for_rows::<T, _, _, false>(team, grain, output, qw, slots, init, |r, (base, p, _), b, o| {
-            let (bufs, wide, k) = b;
+            let (bufs, wide, stack, heap) = b;
             wide.resize(kw, 0.0);
-            k.resize(kw, T::from_f32(0.0));
+            let k = match stack.get_mut(..kw) {
+                Some(k) => k,
+                None => {
+                    heap.resize(kw, T::default());
+                    &mut heap[..]
+                }
+            };
             // SAFETY: as in `slot_rows`: distinct rows have disjoint slots (`base .. base + kw`,
             // the row's K), and so disjoint scales (`base / g ..`, one per `g` values: the
             // head size is a multiple of `g`); each row is visited once; nothing else touches

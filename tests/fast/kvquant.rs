@@ -264,8 +264,9 @@ fn quantized_cache_qkv_every_isa() {
 #[test]
 fn quantized_cache_rope_every_isa() {
     let mut rng = Rng::new(92);
-    for case in 0..6 {
-        let (hq, dk, hkv) = (2, [16, 32, 64][case % 3], 1 + case % 2);
+    for case in 0..7 {
+        // Case 6: 9 KV heads of 128, a K row longer than the fast path stages on the stack.
+        let (hq, dk, hkv) = if case == 6 { (9, 128, 9) } else { (2, [16, 32, 64][case % 3], 1 + case % 2) };
         let rd = if case % 3 == 1 { 8 } else { dk };
         let (lens, cls) = (vec![3usize, 0, 4], vec![2u32, 5, 7]);
         let shape = CacheShape::mha(32, 2, 4, hkv, dk).unwrap();
