@@ -174,7 +174,8 @@ impl<'a, B: Element, O: Element> Fp8Operands<'a, B, O> {
                 g += ROW_GROUPS;
             }
         }
-        if super::operands::few_fits(token, rows.len(), w.format.vector_size(), false) {
+        let few = super::operands::FewWeight::Fp8Block;
+        if super::operands::few_fits(token, rows.len(), w.format.vector_size(), few) {
             // A few rows: the few-row kernel, each chunk with its rows' span scales.
             while g + ROW_GROUPS <= g1 {
                 let gs: [_; ROW_GROUPS] = std::array::from_fn(|i| w.fp8_group(g + i));
@@ -186,7 +187,7 @@ impl<'a, B: Element, O: Element> Fp8Operands<'a, B, O> {
                         sw: std::array::from_fn(|i| &weight[(g + i) * GROUP / FP8_BLOCK * kbs..][..kbs]),
                     })
                 };
-                let kernel = super::operands::Fp8Few { token, gs: &gs, a, outer };
+                let kernel = super::operands::Fp8Few { token, weight: few, gs: &gs, a, outer };
                 super::operands::few_chunks(&kernel, rows, buf, width, g * GROUP - c0);
                 g += ROW_GROUPS;
             }

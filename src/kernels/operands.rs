@@ -202,7 +202,8 @@ impl Operands for Fp4Operands<'_> {
                 g0 += ROW_GROUPS;
             }
         }
-        if few_fits(token, rows.len(), self.w.format.vector_size(), self.w.format.is_fp4()) {
+        let weight = if self.w.format.is_fp4() { FewWeight::Fp4 } else { FewWeight::Fp8 };
+        if few_fits(token, rows.len(), self.w.format.vector_size(), weight) {
             // A few rows (a decode step's batch): each weight vector decoded once for up to four.
             while g0 + ROW_GROUPS <= g1 {
                 let at = g0 * GROUP - c0;
@@ -211,7 +212,8 @@ impl Operands for Fp4Operands<'_> {
                     few_chunks(&Fp4Few { token, gs: &gs, a: self.a }, rows, buf, width, at);
                 } else {
                     let gs = std::array::from_fn(|i| self.w.fp8_group(g0 + i));
-                    few_chunks(&Fp8Few { token, gs: &gs, a: self.a, outer: |_: &[usize]| None }, rows, buf, width, at);
+                    let kernel = Fp8Few { token, weight, gs: &gs, a: self.a, outer: |_: &[usize]| None };
+                    few_chunks(&kernel, rows, buf, width, at);
                 }
                 g0 += ROW_GROUPS;
             }
@@ -434,15 +436,32 @@ pub(crate) fn four_groups(row: &mut [f32], at: usize) -> &mut [[f32; GROUP]; ROW
     row[at..at + ROW_GROUPS * GROUP].as_chunks_mut::<GROUP>().0.try_into().expect("ROW_GROUPS groups")
 }
 
-/// Whether [`few_chunks`] runs `n` rows of a weight with blocks of `v` (an FP4 format where
-/// `fp4`) on `token`'s ISA: more rows than the decode kernels take, and up to two of the tiled
-/// kernel's chunks (MXFP8, FP8 W8A8) or four of the group kernel's (NVFP4, MXFP4). Measured on
-/// Llama-3-8B decode steps, AMD Zen 3 (docs/performance.md): FP4 at 8 rows 0.81–0.94×, at 12
-/// rows ~0.75× the time of the group kernel; MXFP8 at 8 rows ~0.86×, FP8 128-block ~0.70× the
-/// tiled kernel's, but MXFP8 and FP8 per tensor at 12 and 16 rows no faster or slower.
-pub(crate) fn few_fits(token: IsaToken, n: usize, v: usize, fp4: bool) -> bool {
+/// Which weights a few-row kernel runs, for [`few_fits`]: each stops at its own row count.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum FewWeight {
+    /// NVFP4 / MXFP4: up to four of the group kernel's chunks.
+    Fp4,
+    /// MXFP8, FP8 W8A8 per tensor or per channel: up to two of the tiled kernel's chunks.
+    Fp8,
+    /// FP8 W8A8 with 128 × 128 block scales: up to three of the tiled kernel's chunks (its tiled
+    /// kernel also pays a pass over the partial sums per 128-block).
+    Fp8Block,
+}
+
+/// Whether [`few_chunks`] runs `n` rows of a `weight` with blocks of `v` on `token`'s ISA: more
+/// rows than the decode kernels take, and up to the limit of [`FewWeight`]. Measured on
+/// Llama-3-8B decode steps, AMD Zen 3 (docs/performance.md), time against the kernel it
+/// replaces: FP4 at 8 rows 0.81–0.94×, at 12 and 16 rows 0.75–0.96×; MXFP8 at 8 rows ~0.86×;
+/// FP8 128-block at 8 rows ~0.70×, at 12 rows 0.82–0.95× (at 16 rows 1.13× on one thread); but
+/// MXFP8 and FP8 per tensor at 12 and 16 rows no faster or slower (1.03–1.17×).
+pub(crate) fn few_fits(token: IsaToken, n: usize, v: usize, weight: FewWeight) -> bool {
     let (few, mr) = (crate::simd::few_rows(token), crate::simd::fp4_mr(token));
-    few >= 2 && n > crate::simd::row_rows(token) && n <= if fp4 { 4 * mr } else { 2 * mr } && v <= 32
+    let chunks = match weight {
+        FewWeight::Fp4 => 4,
+        FewWeight::Fp8Block => 3,
+        FewWeight::Fp8 => 2,
+    };
+    few >= 2 && n > crate::simd::row_rows(token) && n <= chunks * mr && v <= 32
 }
 
 /// A few-row kernel ([`crate::simd::fp8_few`], [`crate::simd::fp4_few`]) on the four groups of
@@ -456,9 +475,11 @@ pub(crate) trait FewKernel {
     fn run<const R: usize>(&self, chunk: &[usize], out: [&mut [[f32; GROUP]; ROW_GROUPS]; R]) -> bool;
 }
 
-/// The MXFP8 / FP8 W8A8 few-row kernel on groups `gs`, with `outer(chunk)`'s span scales.
+/// The MXFP8 / FP8 W8A8 few-row kernel on groups `gs`, with `outer(chunk)`'s span scales
+/// (`weight`: [`FewWeight::Fp8Block`] where it gives them).
 pub(crate) struct Fp8Few<'a, 'g, F> {
     pub token: IsaToken,
+    pub weight: FewWeight,
     pub gs: &'a [crate::simd::fp8::Fp8Group<'g>; ROW_GROUPS],
     pub a: &'a Fp4Acts,
     pub outer: F,
@@ -469,7 +490,7 @@ impl<'o, F: Fn(&[usize]) -> Option<crate::simd::fp8::Outer<'o>>> FewKernel for F
         self.token
     }
     fn fits(&self, n: usize) -> bool {
-        few_fits(self.token, n, self.gs[0].v, false)
+        few_fits(self.token, n, self.gs[0].v, self.weight)
     }
     fn run<const R: usize>(&self, chunk: &[usize], out: [&mut [[f32; GROUP]; ROW_GROUPS]; R]) -> bool {
         crate::simd::fp8_few::<R>(self.token, self.gs, &self.a.fp8_rows(chunk), (self.outer)(chunk).as_ref(), out)
@@ -488,7 +509,7 @@ impl FewKernel for Fp4Few<'_, '_> {
         self.token
     }
     fn fits(&self, n: usize) -> bool {
-        few_fits(self.token, n, self.gs[0].pairs * 8, true)
+        few_fits(self.token, n, self.gs[0].pairs * 8, FewWeight::Fp4)
     }
     fn run<const R: usize>(&self, chunk: &[usize], out: [&mut [[f32; GROUP]; ROW_GROUPS]; R]) -> bool {
         crate::simd::fp4_few::<R>(self.token, self.gs, &self.a.fp4_rows(chunk), out)

@@ -233,11 +233,18 @@ fn fp8_every_isa_bit_identical_and_within_the_bound() {
 #[test]
 fn fp8_real_shape_decode_and_prefill() {
     // Qwen2.5-0.5B's QKV (K = 896, N = 1152) at M = 1, 2, 8 (AVX2's few-row kernel, 4 + 4) and
-    // 40, every granularity.
+    // 40, every granularity; 128-block scales also at 11 and 12 rows (AVX2's few-row kernel in
+    // chunks of 4 + 4 + 3 and 4 × 3: `FewWeight::Fp8Block`) and 13 (its tiled kernel).
     let isas = isas();
     let mut rng = Rng::new(5);
     let cases = [(0, vec![1]), (1, vec![2]), (2, vec![1]), (2, vec![2]), (2, vec![31, 9]), (1, vec![40])];
-    for (gran, lens) in cases.into_iter().chain([(0, vec![3, 5]), (2, vec![4, 4])]) {
+    for (gran, lens) in cases.into_iter().chain([
+        (0, vec![3, 5]),
+        (2, vec![4, 4]),
+        (2, vec![4, 4, 3]),
+        (2, vec![4; 3]),
+        (2, vec![5, 4, 4]),
+    ]) {
         let mut cfg = random_cfg(&mut rng, true);
         (cfg.k, cfg.hq, cfg.hkv, cfg.hd, cfg.mla, cfg.bias) = (896, 14, 2, 64, None, true);
         cfg.cache_lengths = lens.iter().map(|_| 3).collect();
