@@ -39,13 +39,16 @@ impl DType {
 
 mod sealed {
     /// Only this crate implements [`Element`](super::Element): the "rounded once" promise of every
-    /// operation rests on its conversions.
-    pub trait Sealed {}
+    /// operation rests on its conversions. Each element type has a per-thread free list
+    /// (`crate::pool`), so that a staging buffer of any of them is reused from call to call.
+    pub trait Sealed: crate::pool::Poolable {}
     impl Sealed for f32 {}
     impl Sealed for half::bf16 {}
     impl Sealed for half::f16 {}
     impl Sealed for crate::dtype::E4M3 {}
 }
+
+crate::pool::poolable!(half::bf16, half::f16, crate::dtype::E4M3);
 
 /// A scalar the operations read or write: `f32`, [`bf16`], [`f16`](struct@half::f16) or [`E4M3`]. Conversions round
 /// to nearest, ties to even, once; casts into FP8 saturate to ±448.

@@ -13,8 +13,10 @@ use std::ops::{Deref, DerefMut};
 /// Most free buffers a thread keeps per element type (a call takes about a dozen).
 const KEEP: usize = 32;
 
-/// An element type with a per-thread free list.
-pub(crate) trait Poolable: Sized + 'static {
+/// An element type with a per-thread free list. Nominally `pub` (this module is private, so it
+/// is the crate's alone) so that the sealed [`Element`](crate::Element) can require it: staging
+/// buffers of any element type come from the pool too.
+pub trait Poolable: Sized + 'static {
     /// Runs `f` on this thread's free list (`None` while the thread is being torn down).
     fn with_free<R>(f: impl FnOnce(&mut Vec<Vec<Self>>) -> R) -> Option<R>;
 }

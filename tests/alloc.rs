@@ -1,7 +1,8 @@
 //! A server calls the packed fused QKV once per layer and step: in steady state (same shapes,
 //! warm thread), those calls make no heap allocation. A counting global allocator proves it for
-//! the block-scaled and the bf16 packed paths, with and without fused RoPE, decode (M = 1) and a
-//! small prefill, sequential and on a one-thread rayon pool.
+//! the block-scaled and the bf16 packed paths, with and without fused RoPE, into a bf16 or an
+//! FP8-quantized cache, decode (M = 1) and a small prefill, sequential, on a one-thread rayon pool
+//! and on a team; and for the standalone RoPE and KV store.
 
 use paged_qkv::fast::{self, PackedPlainWeights, PackedWeights, QkvFp4PackedArgs, QkvRaggedPackedArgs};
 use paged_qkv::formats::quantize::{amax, nvfp4_global_scale, quantize};
@@ -158,6 +159,19 @@ fn packed_fp4_calls_do_not_allocate_in_steady_state() {
                 "{format:?} rope {with_rope}: (M, par, ISA, allocations) {found:?}"
             );
         }
+        // Into an FP8-quantized cache (scales per 64 values), with fused RoPE: staged, then
+        // quantized into the slots.
+        let mut codes = PagedKvCache::<E4M3>::zeros(CacheShape::mha(8, 1, 16, HKV, HEAD).unwrap());
+        let mut scales = KvScales::zeros(codes.shape(), 64).unwrap();
+        let found = steady(&ms, |m, exec| {
+            let a = &acts[ms.iter().position(|&x| x == m).unwrap()];
+            let offsets = [0u32, m as u32];
+            let table = PageTable::new(&[0, 1], 2, &[3]).unwrap();
+            let mut kv = KvWrite::new(codes.view_mut(), table, 0).with_scales(scales.view_mut());
+            let args = QkvFp4PackedArgs::new(a.as_ref(), &offsets, &packed, HQ * HEAD).with_rope(qkv_rope(&freqs));
+            fast::qkv_fp4_ragged_packed(&args, &mut q[..m * HQ * HEAD], &mut kv, exec).unwrap();
+        });
+        assert!(found.iter().all(|f| f.3 == 0), "{format:?} quantized cache: (M, par, ISA, allocations) {found:?}");
     }
 }
 
@@ -180,6 +194,24 @@ fn packed_bf16_calls_do_not_allocate_in_steady_state() {
             fast::qkv_ragged_packed(&args, &mut q[..m * HQ * HEAD], &mut kv, exec).unwrap();
         });
         assert!(found.iter().all(|f| f.3 == 0), "rope {with_rope}: (M, par, ISA, allocations) {found:?}");
+    }
+    // The same calls into an FP8-quantized cache (scales per 64 values): the rows staged in bf16,
+    // then quantized into their slots.
+    let mut codes = PagedKvCache::<E4M3>::zeros(CacheShape::mha(8, 1, 16, HKV, HEAD).unwrap());
+    let mut scales = KvScales::zeros(codes.shape(), 64).unwrap();
+    for with_rope in [false, true] {
+        let found = steady(&[1, 9, 64], |m, exec| {
+            let offsets = [0u32, m as u32];
+            let table = PageTable::new(&lookup, 8, &[3]).unwrap();
+            let mut kv = KvWrite::new(codes.view_mut(), table, 0).with_scales(scales.view_mut());
+            let rope = with_rope.then(|| qkv_rope(&freqs));
+            let args = QkvRaggedPackedArgs::new(&x[..m * K], &offsets, &packed, HQ * HEAD).maybe_rope(rope);
+            fast::qkv_ragged_packed(&args, &mut q[..m * HQ * HEAD], &mut kv, exec).unwrap();
+        });
+        assert!(
+            found.iter().all(|f| f.3 == 0),
+            "quantized cache, rope {with_rope}: (M, par, ISA, allocations) {found:?}"
+        );
     }
 }
 

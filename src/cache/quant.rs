@@ -12,10 +12,11 @@
 //! RoPE, which reads the K it rotates from the cache, first dequantizes it into the staging cache
 //! (the oracle; the fast path does the same steps one row at a time, without staging).
 
-use super::{CacheShape, KvSel, KvWrite, PageTable, PagedKvCache, RowSlot, SlotPlan};
+use super::{CacheShape, KvSel, KvWrite, PageTable, PagedKvCacheMut, RowSlot, SlotPlan};
 use crate::element::{DType, Element};
 use crate::error::{Error, Result, checked_len};
 pub(crate) use crate::formats::quantize::fp8_scale as group_scale;
+use crate::pool::Pooled;
 
 /// The dimensions of the scales tensor of a cache of `shape` at `granularity`.
 fn scale_dims(shape: &CacheShape, granularity: usize) -> [usize; 6] {
@@ -199,20 +200,23 @@ pub(crate) fn check_columns<C: Element>(kv: &KvWrite<'_, C>, kv_cols: usize) -> 
 }
 
 /// A staging cache of `S` for a quantized write: row `i` of `rows` (the real slot of the plan's
-/// `i`-th writing row) is staged at block `i` of a one-layer, one-slot-per-page cache.
-pub(crate) struct Stage<S> {
-    /// The staging cache `[rows, kv_dim, 1, 1, num_kv_heads, head_size]`.
-    pub cache: PagedKvCache<S>,
+/// `i`-th writing row) is staged at block `i` of a one-layer, one-slot-per-page cache. Its
+/// buffers come from the thread's pool (`crate::pool`): a steady-state call allocates nothing.
+pub(crate) struct Stage<S: Element> {
+    /// The staging cache's shape, `[rows, kv_dim, 1, 1, num_kv_heads, head_size]`.
+    pub shape: CacheShape,
+    /// Its values (zeros before the write).
+    pub data: Pooled<S>,
     /// The call's plan with each writing row moved to its staging block.
     pub plan: SlotPlan,
     /// `(staged row, real slot)` of each staged row, in order.
-    pub rows: Vec<(usize, RowSlot)>,
+    pub rows: Pooled<(usize, RowSlot)>,
 }
 
 impl<S: Element> Stage<S> {
     /// Stages the writing rows of `plan` (a validated plan of a cache of `shape`).
     pub fn new(plan: &SlotPlan, shape: CacheShape) -> Result<Self> {
-        let rows: Vec<(usize, RowSlot)> = plan.rows.iter().flatten().copied().enumerate().collect();
+        let rows: Pooled<(usize, RowSlot)> = plan.rows.iter().flatten().copied().enumerate().collect();
         let st = CacheShape::new(rows.len().max(1), shape.kv_dim(), 1, 1, shape.num_kv_heads(), shape.head_size())?;
         let mut i = 0;
         let staged = plan
@@ -225,19 +229,19 @@ impl<S: Element> Stage<S> {
                 })
             })
             .collect();
-        Ok(Stage { cache: PagedKvCache::zeros(st), plan: SlotPlan { rows: staged }, rows })
+        Ok(Stage { shape: st, data: Pooled::filled(S::default(), st.len()), plan: SlotPlan { rows: staged }, rows })
     }
 
     /// The staging cache as a write of layer 0 (the page table is never read through it: the
     /// staged plan addresses the rows).
     pub fn kv<'a>(&'a mut self, page_table: PageTable<'a>) -> KvWrite<'a, S> {
-        KvWrite::new(self.cache.view_mut(), page_table, 0)
+        let cache = PagedKvCacheMut::new(self.shape, &mut self.data).expect("the staging cache's own shape");
+        KvWrite::new(cache, page_table, 0)
     }
 
     /// The staged values `(K or V)` of staged row `i`: `num_kv_heads · head_size` values.
     pub fn part(&self, i: usize, which: KvSel) -> &[S] {
-        let shape = self.cache.shape();
-        let at = shape.index(i, which as usize, 0, 0, 0, 0);
-        &self.cache.data()[at..at + shape.kv_width()]
+        let at = self.shape.index(i, which as usize, 0, 0, 0, 0);
+        &self.data[at..at + self.shape.kv_width()]
     }
 }

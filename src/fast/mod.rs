@@ -1028,14 +1028,14 @@ fn staged<S: Element, C: Element, R>(
     let mut st = Stage::<S>::new(&plan.0, shape).expect("a staging cache no larger than the cache");
     let Some(scales) = &mut kv.scales else { unreachable!("staged writes are quantized") };
     let g = scales.granularity();
-    let stride = st.cache.shape().kv_dim() * shape.kv_width();
+    let stride = st.shape.kv_dim() * shape.kv_width();
     let splan = (st.plan.clone(), plan.1.clone());
     let r = write(&mut st.kv(kv.page_table), &splan);
     let v = shape.kv_width();
     let parts: &[(KvSel, usize)] = if shape.is_mla() { &[(KvSel::K, 0)] } else { &[(KvSel::K, 0), (KvSel::V, v)] };
     let dst =
         QuantCache { data: kv.cache.data_mut(), scales: scales.data_mut(), shape, layer: kv.layer_idx, granularity: g };
-    quantize_rows(token, exec.team(), st.cache.data(), stride, &st.rows, parts, dst);
+    quantize_rows(token, exec.team(), &st.data, stride, &st.rows, parts, dst);
     r
 }
 

@@ -14,6 +14,7 @@ use crate::cache::quant::group_scale;
 use crate::cache::{CacheShape, KvSel, RowSlot};
 use crate::dtype::E4M3;
 use crate::element::Element;
+use crate::pool::Pooled;
 use crate::simd::rope::{narrow, same_type_mut, widen};
 use crate::simd::{IsaToken, kv_groups};
 
@@ -46,8 +47,8 @@ pub(crate) fn quantize_rows<S: Element, C: Element>(
     // One chunk runs on the calling thread: a hand-off to the pool costs more than a decode
     // call's few rows.
     let team = if rows.len() <= ROWS { Team::One } else { team };
-    team.each(rows.chunks(ROWS), |chunk| {
-        let mut buf = vec![0f32; width];
+    team.chunks(rows, ROWS, |chunk| {
+        let mut buf = Pooled::filled(0f32, width);
         for &(r, slot) in chunk {
             for &(which, at) in parts {
                 let x = &src[r * stride + at..][..width];

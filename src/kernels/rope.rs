@@ -448,35 +448,6 @@ pub(crate) fn rope_rows<T: Element, F: Element, C: Element>(
 /// One row's rotation: `(row, freqs row, buffers, output row, K row)`.
 type Rotate<'a, T> = dyn Fn(usize, usize, &mut Bufs, &mut [T], &mut [T]) + Sync + 'a;
 
-/// The most K values of a row [`rope_rows_quant`] stages on the stack (8 KV heads of 128: Llama-3,
-/// Mixtral; 4 KiB of f32); longer rows use a buffer on the heap.
-const STAGE_K: usize = 1024;
-
-/// A share's K row staged in `T` ([`rope_rows_quant`]): on its stack up to [`STAGE_K`] values,
-/// else on the heap (neither zeroes the other's storage).
-enum Stage<T> {
-    Stack([T; STAGE_K]),
-    Heap(Vec<T>),
-}
-
-impl<T: Element> Stage<T> {
-    /// Storage for rows of `kw` values.
-    fn new(kw: usize) -> Self {
-        match kw <= STAGE_K {
-            true => Stage::Stack([T::default(); STAGE_K]),
-            false => Stage::Heap(vec![T::default(); kw]),
-        }
-    }
-
-    /// The first `kw` values (at most the `kw` of [`Stage::new`]).
-    fn row(&mut self, kw: usize) -> &mut [T] {
-        match self {
-            Stage::Stack(a) => &mut a[..kw],
-            Stage::Heap(v) => &mut v[..kw],
-        }
-    }
-}
-
 /// Runs a validated RoPE call into an FP8-quantized cache ([semantics §3.1](crate::semantics)),
 /// one pass per row: the K of the row's slot is dequantized into `T` (`T(code · scale)`, the
 /// values the oracle stages), rotated together with the row's Q heads by the kernels
@@ -506,13 +477,10 @@ pub(crate) fn rope_rows_quant<T: Element, F: Element>(
     // One pass over the rows with `rotate(row, freqs row, buffers, output row, K row)`: the
     // rotation of `rope_rows`, its path decided once for the call.
     let mut rows = |rotate: &Rotate<'_, T>| {
-        // The K row staged in `T`: on the share's stack up to `STAGE_K` values, so that a
-        // steady-state call allocates nothing (`Pooled` has no free lists for the element types).
-        let init = || (bufs(), Pooled::<f32>::new(), Stage::<T>::new(kw));
+        // The K row staged in `T`, from the thread's pool (a steady-state call allocates nothing).
+        let init = || (bufs(), Pooled::<f32>::filled(0.0, kw), Pooled::<T>::filled(T::default(), kw));
         for_rows::<T, _, _, false>(team, grain, output, qw, slots, init, |r, (base, p, _), b, o| {
-            let (bufs, wide, stage) = b;
-            wide.resize(kw, 0.0);
-            let k = stage.row(kw);
+            let (bufs, wide, k) = b;
             // SAFETY: as in `slot_rows`: distinct rows have disjoint slots (`base .. base + kw`,
             // the row's K), and so disjoint scales (`base / g ..`, one per `g` values: the
             // head size is a multiple of `g`); each row is visited once; nothing else touches

@@ -71,6 +71,20 @@ impl Team {
         }
     }
 
+    /// Runs `f(chunk)` for every `chunk`-long chunk of `data` (the last may be shorter), in
+    /// parallel unless `One` (on rayon as an indexed split: `par_bridge`, which [`Team::each`]
+    /// uses there, allocates per call).
+    pub fn chunks<T: Sync>(self, data: &[T], chunk: usize, f: impl Fn(&[T]) + Sync) {
+        if chunk == 0 {
+            return;
+        }
+        match self {
+            Team::One => data.chunks(chunk).for_each(f),
+            Team::Rayon => data.par_chunks(chunk).for_each(&f),
+            Team::Workers(_) => self.each(data.chunks(chunk), f),
+        }
+    }
+
     /// Runs `f(i, chunk)` for every `chunk`-long chunk of `data` (the last may be shorter), in
     /// parallel unless `One`.
     pub fn chunks_mut<T: Send>(self, data: &mut [T], chunk: usize, f: impl Fn(usize, &mut [T]) + Sync) {

@@ -470,13 +470,13 @@ fn staged<S: Element, C: Element>(
     let Some(scales) = &kv.scales else { unreachable!("staged writes are quantized") };
     let g = scales.granularity();
     if rope {
-        let sshape = st.cache.shape();
+        let sshape = st.shape;
         for (i, &(_, slot)) in st.rows.iter().enumerate() {
             let at = shape.index(slot.block, 0, kv.layer_idx, slot.offset, 0, 0);
             let to = sshape.index(i, 0, 0, 0, 0, 0);
             for j in 0..shape.kv_width() {
                 let x = kv.cache.data()[at + j].to_f32() * scales.data()[(at + j) / g];
-                st.cache.data_mut()[to + j] = S::from_f32(x);
+                st.data[to + j] = S::from_f32(x);
             }
         }
     }
