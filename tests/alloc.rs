@@ -175,6 +175,41 @@ fn packed_fp4_calls_do_not_allocate_in_steady_state() {
     }
 }
 
+/// FP8 W8A8, every scale granularity (the block scales' tiled kernel stages its partial sums in
+/// a per-thread buffer).
+#[test]
+fn packed_fp8_calls_do_not_allocate_in_steady_state() {
+    use paged_qkv::fast::{PackedFp8Weights, QkvFp8PackedArgs};
+    use paged_qkv::formats::fp8::e4m3_from_f32;
+    use paged_qkv::ops::Fp8Scales;
+    let w: Vec<u8> = weights().into_iter().map(|v| e4m3_from_f32(v * 64.0)).collect();
+    let n = w.len() / K;
+    let packed = PackedFp8Weights::new(&w, K).unwrap();
+    let ms = [1usize, 9, 20];
+    let x: Vec<u8> = (0..20 * K).map(|i| e4m3_from_f32(((i as f32) * 0.11).cos() * 64.0)).collect();
+    let freqs = rope_table();
+    let mut cache = PagedKvCache::<bf16>::zeros(CacheShape::mha(8, 1, 16, HKV, HEAD).unwrap());
+    let mut q = vec![bf16::ZERO; 20 * HQ * HEAD];
+    let (kb, nb) = (K.div_ceil(128), n.div_ceil(128));
+    let rows: Vec<f32> = (0..20.max(n)).map(|i| 0.01 + i as f32 * 1e-4).collect();
+    let blocks: Vec<f32> = (0..kb * 20.max(nb)).map(|i| 0.01 + i as f32 * 1e-4).collect();
+    for gran in 0..3 {
+        let found = steady(&ms, |m, exec| {
+            let scales = match gran {
+                0 => Fp8Scales::Tensor { input: 0.02, weight: 0.03 },
+                1 => Fp8Scales::Channel { input: &rows[..m], weight: &rows[..n] },
+                _ => Fp8Scales::Block { input: &blocks[..kb * m], weight: &blocks[..nb * kb] },
+            };
+            let offsets = [0u32, m as u32];
+            let mut kv = KvWrite::new(cache.view_mut(), PageTable::new(&[0, 1], 2, &[3]).unwrap(), 0);
+            let args = QkvFp8PackedArgs::<bf16>::new(&x[..m * K], &offsets, &packed, scales, HQ * HEAD)
+                .with_rope(qkv_rope(&freqs));
+            fast::qkv_fp8_ragged_packed(&args, &mut q[..m * HQ * HEAD], &mut kv, exec).unwrap();
+        });
+        assert!(found.iter().all(|f| f.3 == 0), "granularity {gran}: (M, par, ISA, allocations) {found:?}");
+    }
+}
+
 #[test]
 fn packed_bf16_calls_do_not_allocate_in_steady_state() {
     let w: Vec<bf16> = weights().into_iter().map(bf16::from_f32).collect();

@@ -13,7 +13,7 @@
 // Index loops mirror the packed layout's formulas.
 #![allow(clippy::needless_range_loop)]
 
-use super::operands::{Fp4Operands, Operands, Tile, four_groups};
+use super::operands::{Fp4Operands, MAX_CHUNKS, Operands, Tile, four_groups};
 use super::pack::{Fp4Acts, PackedWeights};
 use super::team::Team;
 use crate::element::{DType, Element, round_through};
@@ -196,17 +196,26 @@ impl<'a, B: Element, O: Element> Fp8Operands<'a, B, O> {
         if rows.len() >= 2 * mr && crate::simd::fp8_decodes(token) && g < g1 {
             // The tiled kernel per 128-block (weights decoded once per tile and block), its
             // partial sums staged in the thread's buffer.
+            // The row chunks in fixed arrays, as the MXFP8 tile builds them (entries past `n`
+            // repeat the last chunk, unread): no allocation per call.
             let n = rows.len().div_ceil(mr);
-            let chunks: Vec<Fp8Rows<'_>> =
-                (0..n).map(|i| a.fp8_rows(&rows[i * mr..((i + 1) * mr).min(rows.len())])).collect();
-            let groups: Vec<Fp8Group<'_>> = (g..g1).map(|gg| w.fp8_group(gg)).collect();
+            assert!(n <= MAX_CHUNKS, "a tile of {} rows", rows.len());
+            let chunks: [Fp8Rows<'_>; MAX_CHUNKS] = std::array::from_fn(|i| {
+                let i = i.min(n - 1);
+                a.fp8_rows(&rows[i * mr..((i + 1) * mr).min(rows.len())])
+            });
             let ld = (g1 - g) * GROUP;
             let at = g * GROUP - c0;
+            // Each block's slices of the chunks, rebuilt in place (the first `n`) per block.
+            let mut sub: [Fp8Rows<'_>; MAX_CHUNKS] = std::array::from_fn(|i| rows_from(&chunks[i], 0));
             BLOCK_SCRATCH.with_borrow_mut(|(part, wd)| {
                 part.resize(rows.len() * ld, 0.0);
                 for b in 0..kbs {
-                    let sub: Vec<Fp8Rows<'_>> = chunks.iter().map(|c| rows_from(c, b)).collect();
-                    crate::simd::fp8_tiled(token, g1 - g, |i| group_from(&groups[i], b), &sub, part, ld, wd);
+                    for (s, c) in sub.iter_mut().zip(&chunks).take(n) {
+                        *s = rows_from(c, b);
+                    }
+                    let group = |i: usize| group_from(&w.fp8_group(g + i), b);
+                    crate::simd::fp8_tiled(token, g1 - g, group, &sub[..n], part, ld, wd);
                     for (i, &r) in rows.iter().enumerate() {
                         let sa = input[b * self.m + r];
                         let (src, dst) = (&part[i * ld..(i + 1) * ld], &mut buf[i * width + at..][..ld]);

@@ -154,7 +154,7 @@ impl Fp4Operands<'_> {
 }
 
 /// Most row chunks of one FP4-family tile (`mc` rows in chunks of `fp4_mr` on the tiled kernel).
-const MAX_CHUNKS: usize = 16;
+pub(crate) const MAX_CHUNKS: usize = 16;
 
 /// An exact scale `(mantissa, exponent)`, or `None` for a NaN scale.
 fn exact_scale(format: BlockFormat, byte: u8) -> Option<(i128, i32)> {
